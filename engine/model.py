@@ -1,0 +1,163 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, SmolLM, Qwen2) over a paged KV cache.
+
+Module and parameter names follow Hugging Face so checkpoints load by name; q/k/v and gate/up projections are
+fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.nn import functional as F
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
+from kernels.rms_norm import rms_norm
+from kernels.rotary import apply_rope, rope_cache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, kv_layer: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, k, positions, rope)
+        out = backend(q, k, v, kv_layer, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rope, kv_layer, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_layer, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Forward over a flat batch of tokens; `layer_hook(l)` runs after layer l has written its KV."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer(
+            "rope", rope_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling),
+            persistent=False,
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend, layer_hook=None) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, self.rope, kv_caches[i], meta, backend)
+            if layer_hook is not None:
+                layer_hook(i)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def _fused_state_dict(files: list[Path], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    raw: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                raw[name] = st.get_tensor(name)
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in raw.items():
+        if "rotary_emb" in name:
+            continue
+        for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+            if f".{parts[0]}." in name:
+                state[name.replace(parts[0], fused)] = torch.cat([raw[name.replace(parts[0], p)] for p in parts])
+                break
+        else:
+            if not any(f".{p}." in name for p in ("k_proj", "v_proj", "up_proj")):
+                state[name] = tensor
+    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """Load a Hugging Face Llama-family directory (config.json + *.safetensors)."""
+    cfg = ModelConfig.from_dir(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    state = _fused_state_dict(files, cfg)
+    model.load_state_dict(state, strict=False, assign=True)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {missing[:4]}")
+    model.rope = rope_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0) -> LlamaForCausalLM:
+    """A randomly initialised model of any shape, for fast unit tests."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.05)
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(dtype=dtype).eval().requires_grad_(False)

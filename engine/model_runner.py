@@ -1,0 +1,113 @@
+"""Runs one scheduled batch: flattens it into the forward's inputs, runs the model, samples.
+
+Owns the model weights, the paged KV cache tensor and the attention backend of one worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.attention import AttentionMetadata, select_backend
+from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.kv_cache import KVCacheSpec
+from engine.model import LlamaForCausalLM, load_model
+from engine.model_store import resolve_model
+from engine.sampler import SampleOutput, Sampler
+from engine.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+LayerHook = Callable[[int], None]
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
+    sample_rows: list[int]  # which batch entries those rows belong to
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, spec: KVCacheSpec, attention_backend: str = "auto",
+                 device: str | torch.device = "cpu") -> None:
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.spec = spec
+        self.device = torch.device(device)
+        self.kv_cache = spec.allocate(self.device)
+        self.backend = select_backend(attention_backend, self.device)
+        self.sampler = Sampler(self.config.vocab_size, self.config.eos_token_ids)
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig, model: LlamaForCausalLM | None = None) -> "ModelRunner":
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        dtype = parse_dtype(cfg.dtype)
+        if model is None:
+            model = load_model(resolve_model(cfg.model), dtype)
+        spec = KVCacheSpec.for_model(model.config, dtype, cfg.block_size, cfg.kv_cache_memory, cfg.num_blocks)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", spec.num_blocks, spec.block_size,
+                 spec.num_blocks * spec.bytes_per_block / 2**20)
+        return cls(model, spec, cfg.attention_backend)
+
+    def prepare(self, batch: ScheduledBatch) -> BatchInputs:
+        bs = self.spec.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sample_rows: list[int] = []
+        max_blocks = 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            begin = seq.num_computed_tokens
+            ids.extend(seq.token_ids[begin:begin + n])
+            pos = range(begin, begin + n)
+            positions.extend(pos)
+            table = seq.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            starts.append(starts[-1] + n)
+            seq_lens.append(begin + n)
+            max_blocks = max(max_blocks, len(table))
+            if batch.samples(i):
+                logits_indices.append(starts[-1] - 1)
+                sample_rows.append(i)
+        tables = torch.zeros(len(batch.seqs), max(max_blocks, 1), dtype=torch.long)
+        for i, seq in enumerate(batch.seqs):
+            tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.long)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            block_tables=tables.to(dev),
+        )
+        return BatchInputs(torch.tensor(ids, dtype=torch.long, device=dev),
+                           torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                           torch.tensor(logits_indices, dtype=torch.long, device=dev), sample_rows)
+
+    @torch.inference_mode()
+    def forward(self, inputs: BatchInputs, layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """Logits `[len(sample_rows), vocab]` for the sampling rows; writes every new token's K/V."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.backend, layer_hook)
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> list[SampleOutput | None]:
+        """Run the batch; one SampleOutput per sequence that samples this step, None for the others."""
+        inputs = self.prepare(batch)
+        logits = self.forward(inputs, layer_hook)
+        out: list[SampleOutput | None] = [None] * len(batch.seqs)
+        if inputs.sample_rows:
+            seqs = [batch.seqs[i] for i in inputs.sample_rows]
+            samples = self.sampler.sample(logits, [s.params for s in seqs], [s.prompt_ids for s in seqs],
+                                          [s.output_ids for s in seqs])
+            for row, sample in zip(inputs.sample_rows, samples):
+                out[row] = sample
+        return out

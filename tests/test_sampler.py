@@ -1,0 +1,111 @@
+"""Sampler: exact candidate sets on hand-made logits, reproducible seeds, penalties, logprobs, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, apply_penalties, candidate_mask
+from engine.sampling_params import SamplingParams
+
+
+def _logits_for(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([math.log(p) for p in probs])
+
+
+PROBS = [0.05, 0.4, 0.1, 0.3, 0.15]  # sorted: 1 (.4), 3 (.3), 4 (.15), 2 (.1), 0 (.05)
+
+
+def kept(mask: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(mask).flatten().tolist())
+
+
+@pytest.mark.parametrize("k,expected", [(1, {1}), (2, {1, 3}), (3, {1, 3, 4}), (0, {0, 1, 2, 3, 4}), (-1, {0, 1, 2, 3, 4})])
+def test_top_k(k, expected):
+    assert kept(candidate_mask(_logits_for(PROBS), k, 1.0, 0.0)) == expected
+
+
+@pytest.mark.parametrize("p,expected", [(0.4, {1}), (0.41, {1, 3}), (0.7, {1, 3}), (0.71, {1, 3, 4}), (0.96, {0, 1, 2, 3, 4})])
+def test_top_p(p, expected):
+    assert kept(candidate_mask(_logits_for(PROBS), 0, p, 0.0)) == expected
+
+
+@pytest.mark.parametrize("m,expected", [(0.25, {1, 3, 4, 2}), (0.3, {1, 3, 4}), (0.5, {1, 3}), (1.0, {1})])
+def test_min_p(m, expected):
+    assert kept(candidate_mask(_logits_for(PROBS), 0, 1.0, m)) == expected
+
+
+def test_top_p_applies_after_top_k():
+    # after top-2, probs renormalise to 4/7 and 3/7: top_p 0.5 keeps only token 1
+    assert kept(candidate_mask(_logits_for(PROBS), 2, 0.5, 0.0)) == {1}
+
+
+def _draw(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
+    out: list[int] = []
+    for _ in range(n):
+        out.append(sampler.sample(logits[None], [params], [[1]], [list(out)])[0].token_id)
+    return out
+
+
+def test_seeded_sampling_repeats_and_ignores_batch_neighbours():
+    torch.manual_seed(0)
+    logits = torch.randn(1000)
+    s = Sampler(1000)
+    params = SamplingParams(temperature=1.0, seed=1234)
+    a, b = _draw(s, logits, params, 30), _draw(Sampler(1000), logits, params, 30)
+    assert a == b
+    assert len(set(a)) > 5
+    other = SamplingParams(temperature=1.0, seed=99)
+    batch = s.sample(torch.stack([torch.randn(1000), logits]), [other, params], [[1], [1]], [[], []])
+    assert batch[1].token_id == a[0]
+    assert _draw(s, logits, SamplingParams(temperature=1.0, seed=1235), 30) != a
+
+
+def test_samples_only_from_candidates():
+    logits = _logits_for(PROBS)
+    s = Sampler(5)
+    params = SamplingParams(temperature=1.0, top_k=2, seed=7)
+    tokens = {s.sample(logits[None], [params], [[0]], [[0] * i])[0].token_id for i in range(200)}
+    assert tokens == {1, 3}
+
+
+def test_greedy_and_logprobs():
+    logits = _logits_for(PROBS)
+    out = Sampler(5).sample(logits[None], [SamplingParams(temperature=0, logprobs=2)], [[0]], [[]])[0]
+    assert out.token_id == 1
+    assert out.logprob == pytest.approx(math.log(0.4), abs=1e-5)
+    assert [t for t, _ in out.top_logprobs] == [1, 3]
+
+
+def test_penalties():
+    logits = torch.tensor([2.0, -2.0, 1.0, 1.0])
+    rep = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), [0], [1])
+    assert rep.tolist() == [1.0, -4.0, 1.0, 1.0]
+    freq = apply_penalties(logits, SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [2], [3, 3])
+    assert freq.tolist() == [2.0, -2.0, 1.0, 1.0 - 1.0 - 0.25]
+
+
+def test_min_tokens_blocks_eos():
+    logits = torch.tensor([0.0, 0.0, 10.0, 1.0])
+    s = Sampler(4, eos_token_ids=[2])
+    params = SamplingParams(temperature=0, min_tokens=2, max_tokens=4)
+    assert s.sample(logits[None], [params], [[0]], [[3]])[0].token_id == 3
+    assert s.sample(logits[None], [params], [[0]], [[3, 3]])[0].token_id == 2
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 0), ("temperature", -0.5), ("top_k", -2), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 2.0),
+    ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("logprobs", 100),
+    ("seed", -1), ("stop_token_ids", (10**9,)),
+])
+def test_invalid_params_name_the_parameter(field, value):
+    params = SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match=field):
+        params.validate(vocab_size=1000)
+
+
+def test_min_tokens_above_max_is_invalid():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3).validate()
