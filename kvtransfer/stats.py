@@ -1,0 +1,27 @@
+"""Figures every transfer reports: bytes, seconds, GB/s (the observability hooks read these)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass
+class TransferStats:
+    request_id: str
+    transport: str
+    nbytes: int = 0
+    layers: int = 0
+    blocks: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"request_id": self.request_id, "transport": self.transport, "bytes": self.nbytes,
+                "layers": self.layers, "blocks": self.blocks, "seconds": self.seconds, "gbps": self.gbps}
+
+
+StatsHook = Callable[[TransferStats], None]

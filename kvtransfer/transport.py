@@ -1,0 +1,82 @@
+"""The message interface kvtransfer speaks, whatever carries the bytes (UCX by default, plain TCP as baseline).
+
+A message is a small JSON header followed by zero or more raw payloads whose sizes the header states, so the
+receiver can land each payload straight into the memory it belongs to.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Awaitable, Callable, Sequence
+
+import numpy as np
+import torch
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous CPU tensor (no copy; writable)."""
+    if not t.is_contiguous():
+        raise ValueError("payload tensors must be contiguous")
+    return t.view(torch.uint8).reshape(-1).numpy()
+
+
+class Connection(abc.ABC):
+    """One peer-to-peer link. Not safe for concurrent senders: the caller serialises whole messages."""
+
+    peer: str = "?"
+
+    @abc.abstractmethod
+    async def send(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None: ...
+
+    @abc.abstractmethod
+    async def recv_header(self) -> dict: ...
+
+    @abc.abstractmethod
+    async def recv_into(self, buffer: np.ndarray) -> None:
+        """Fill `buffer` with the next payload (exactly its size)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+class Listener(abc.ABC):
+    host: str
+    port: int
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+
+Handler = Callable[[Connection], Awaitable[None]]
+
+
+class Transport(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    async def listen(self, host: str, port: int, handler: Handler) -> Listener: ...
+
+    @abc.abstractmethod
+    async def connect(self, host: str, port: int, timeout: float) -> Connection: ...
+
+
+def make_transport(name: str) -> Transport:
+    """'ucx' (default) or 'tcp'."""
+    if name == "ucx":
+        from kvtransfer.ucx_transport import UCXTransport
+
+        return UCXTransport()
+    if name == "tcp":
+        from kvtransfer.tcp_transport import TCPTransport
+
+        return TCPTransport()
+    raise ValueError(f"unknown KV transport {name!r} (have: ucx, tcp)")
+
+
+def parse_address(address: str) -> tuple[str, str, int]:
+    """'ucx://127.0.0.1:5000' -> ('ucx', '127.0.0.1', 5000)."""
+    scheme, sep, rest = address.partition("://")
+    host, _, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"bad KV transfer address {address!r}; expected scheme://host:port")
+    return scheme, host, int(port)

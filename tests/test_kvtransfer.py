@@ -1,0 +1,241 @@
+"""kvtransfer between real spawned processes on 127.0.0.1, over UCX and over TCP."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+from kvtransfer.layout import KVLayout, LayoutMismatch
+from kvtransfer.transport import parse_address
+from tests.kv_peers import LAYOUT, make_cache, receiver_main, sender_main
+
+CTX = mp.get_context("spawn")
+RECV_BLOCKS, SEND_BLOCKS = 64, 48
+WAIT = 30.0
+
+
+def _transports() -> list[str]:
+    out = ["tcp"]
+    try:
+        import ucxx  # noqa: F401
+
+        out.insert(0, "ucx")
+    except ImportError:
+        pass
+    return out
+
+
+TRANSPORTS = pytest.mark.parametrize("transport", _transports())
+
+
+class Peer:
+    """A spawned process and its end of the command pipe."""
+
+    def __init__(self, target, *args) -> None:
+        self.pipe, child = CTX.Pipe()
+        self.proc = CTX.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def expect(self, kind: str, timeout: float = WAIT):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.pipe.poll(0.1):
+                msg = self.pipe.recv()
+                if msg[0] == kind:
+                    return msg
+                raise AssertionError(f"expected {kind}, got {msg}")
+            if not self.proc.is_alive():
+                raise AssertionError(f"process died (exit {self.proc.exitcode}) while waiting for {kind}")
+        raise AssertionError(f"no {kind} within {timeout}s")
+
+    def collect(self, kinds: set[str], n: int, timeout: float = WAIT) -> list:
+        out = []
+        deadline = time.monotonic() + timeout
+        while len(out) < n and time.monotonic() < deadline:
+            if self.pipe.poll(0.1):
+                msg = self.pipe.recv()
+                assert msg[0] in kinds, msg
+                out.append(msg)
+        assert len(out) == n, f"got {out}"
+        return out
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+
+
+@pytest.fixture
+def env_loopback(monkeypatch):
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    monkeypatch.setenv("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+def _receiver(transport: str, timeout: float = WAIT, layout: dict = LAYOUT) -> tuple[Peer, str]:
+    peer = Peer(receiver_main, transport, layout, RECV_BLOCKS, timeout)
+    return peer, peer.expect("address")[1]
+
+
+def _stop_receiver(peer: Peer) -> list[str]:
+    peer.pipe.send(("stop",))
+    leftover = peer.expect("stopped")[1]
+    peer.proc.join(10)
+    return leftover
+
+
+JOBS = [  # (request id, source blocks in the sender, destination blocks in the receiver)
+    ("contiguous", list(range(0, 6)), list(range(10, 16))),
+    ("scattered", [7, 3, 30, 31, 12], [40, 2, 17, 18, 63]),
+    ("src-scattered", [44, 20, 21], [20, 21, 22]),
+    ("one-block", [47], [0]),
+]
+
+
+@TRANSPORTS
+def test_blocks_arrive_bit_exact_with_several_requests_in_flight(transport, env_loopback):
+    recv, address = _receiver(transport)
+    sender = None
+    try:
+        for rid, _, dst in JOBS:
+            recv.pipe.send(("expect", rid, dst, None))
+        sender = Peer(sender_main, transport, LAYOUT, SEND_BLOCKS, address, JOBS, 1234, WAIT)
+        sent = sender.collect({"sent"}, len(JOBS))
+        assert sender.expect("connections")[1] == 1, "one connection per sender/receiver pair"
+        assert sender.expect("finished")[1] == []
+        done = {m[1]: m[2] for m in recv.collect({"done"}, len(JOBS))}
+        source = make_cache(SEND_BLOCKS, 1234, LAYOUT)
+        block_bytes = source[0, 0, 0].numel() * source.element_size()
+        for rid, src, dst in JOBS:
+            recv.pipe.send(("read", dst))
+            got = recv.expect("blocks")[1]
+            assert torch.equal(got, source[:, :, src]), rid
+            assert done[rid]["bytes"] == LAYOUT["num_layers"] * 2 * len(src) * block_bytes
+            assert done[rid]["layers"] == LAYOUT["num_layers"]
+        assert {m[1] for m in sent} == {j[0] for j in JOBS}
+        assert _stop_receiver(recv) == []
+    finally:
+        recv.stop()
+        if sender:
+            sender.stop()
+
+
+@TRANSPORTS
+def test_layout_mismatch_is_refused(transport, env_loopback):
+    recv, address = _receiver(transport)
+    sender = None
+    try:
+        other = dict(LAYOUT, head_dim=16)
+        recv.pipe.send(("expect", "r", [1, 2], 5.0))
+        sender = Peer(sender_main, transport, other, SEND_BLOCKS, address, [("r", [1, 2], [1, 2])], 0, WAIT)
+        msg = sender.expect("send_failed")
+        assert msg[2] == "LayoutMismatch" and "head_dim" in msg[3]
+        recv.pipe.send(("stats",))
+        assert recv.expect("stats")[1] == 1  # still waiting: nothing was written
+    finally:
+        recv.stop()
+        if sender:
+            sender.stop()
+
+
+def test_layout_fingerprint_ignores_pool_size_only():
+    a = KVLayout(**LAYOUT, num_blocks=10)
+    assert a.fingerprint == KVLayout(**LAYOUT, num_blocks=99).fingerprint
+    b = KVLayout(**dict(LAYOUT, dtype="bfloat16"))
+    assert a.fingerprint != b.fingerprint
+    with pytest.raises(LayoutMismatch, match="dtype"):
+        a.check_compatible(b)
+
+
+@TRANSPORTS
+def test_killed_sender_fails_only_its_request_and_receiver_serves_next(transport, env_loopback):
+    recv, address = _receiver(transport)
+    stalled = ok = None
+    try:
+        recv.pipe.send(("expect", "victim", list(range(0, 6)), None))
+        stalled = Peer(sender_main, transport, LAYOUT, SEND_BLOCKS, address, [("victim", list(range(6)),
+                       list(range(6)))], 7, WAIT, 2)
+        stalled.expect("stalled")
+        time.sleep(0.2)
+        os.kill(stalled.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        msg = recv.expect("failed", timeout=10)
+        assert msg[1] == "victim" and msg[2] == "PeerDisconnected"
+        assert time.monotonic() - t0 < 10
+        job = ("next", [5, 9, 11], [30, 31, 32])
+        recv.pipe.send(("expect", job[0], job[2], None))
+        ok = Peer(sender_main, transport, LAYOUT, SEND_BLOCKS, address, [job], 99, WAIT)
+        assert ok.expect("sent")[1] == "next"
+        assert recv.expect("done")[1] == "next"
+        recv.pipe.send(("read", job[2]))
+        assert torch.equal(recv.expect("blocks")[1], make_cache(SEND_BLOCKS, 99, LAYOUT)[:, :, job[1]])
+        assert _stop_receiver(recv) == []
+    finally:
+        for p in (recv, stalled, ok):
+            if p:
+                p.stop()
+
+
+@TRANSPORTS
+def test_receiver_times_out_a_transfer_that_never_completes(transport, env_loopback):
+    recv, address = _receiver(transport)
+    try:
+        recv.pipe.send(("expect", "never", [1, 2, 3], 0.5))
+        msg = recv.expect("failed", timeout=10)
+        assert msg[1:3] == ("never", "TransferTimeout")
+        recv.pipe.send(("stats",))
+        assert recv.expect("stats")[1] == 0
+    finally:
+        recv.stop()
+
+
+@TRANSPORTS
+def test_late_messages_for_cancelled_request_are_discarded(transport, env_loopback):
+    recv, address = _receiver(transport)
+    sender = None
+    try:
+        recv.pipe.send(("expect", "gone", [1, 2], None))
+        recv.pipe.send(("cancel", "gone"))
+        assert recv.expect("failed")[2] == "TransferCancelled"
+        sender = Peer(sender_main, transport, LAYOUT, SEND_BLOCKS, address, [("gone", [1, 2], [1, 2])], 3, WAIT)
+        msg = sender.expect("send_failed")
+        assert msg[1] == "gone" and "not expected" in msg[3]
+        recv.pipe.send(("read", [1, 2]))
+        assert torch.count_nonzero(recv.expect("blocks")[1]) == 0
+        recv.pipe.send(("stats",))
+        assert recv.expect("stats")[2] >= 1
+    finally:
+        recv.stop()
+        if sender:
+            sender.stop()
+
+
+def test_sender_fails_within_timeout_when_receiver_never_answers():
+    """A peer that accepts the connection but never speaks (TCP transport; the failure path is shared)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)
+    port = silent.getsockname()[1]
+    peer = Peer(sender_main, "tcp", LAYOUT, SEND_BLOCKS, f"tcp://127.0.0.1:{port}", [("r", [1], [1])], 0, 1.0)
+    try:
+        t0 = time.monotonic()
+        msg = peer.expect("send_failed", timeout=15)
+        assert msg[2] == "TransferTimeout"
+        assert time.monotonic() - t0 < 10
+        assert peer.expect("connections")[1] == 0
+        assert peer.expect("finished")[1] == []
+    finally:
+        peer.stop()
+        silent.close()
+
+
+def test_parse_address():
+    assert parse_address("ucx://127.0.0.1:5000") == ("ucx", "127.0.0.1", 5000)
+    with pytest.raises(ValueError):
+        parse_address("127.0.0.1:5000")
