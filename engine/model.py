@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rope, rope_cache
+from kernels.rotary import apply_rope, rope_cache, rope_for_positions
 
 
 class RMSNorm(nn.Module):
@@ -39,13 +39,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, kv_layer: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, positions, rope)
+        q, k = apply_rope(q, k, *rope)
         out = backend(q, k, v, kv_layer, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -69,8 +69,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, kv_layer, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_layer, meta, backend)
+    def forward(self, x, rope, kv_layer, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_layer, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -98,8 +98,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend, layer_hook=None) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        rope = rope_for_positions(self.rope, positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rope, kv_caches[i], meta, backend)
+            x = layer(x, rope, kv_caches[i], meta, backend)
             if layer_hook is not None:
                 layer_hook(i)
         return self.model.norm(x)

@@ -41,10 +41,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q `[T, H, D]`, k `[T, KVH, D]`, positions `[T]`; returns rotated copies."""
-    cs = cache[positions].to(q.dtype)
-    cos, sin = cs[:, 0, None, :], cs[:, 1, None, :]
+def rope_for_positions(cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[T, 1, D]` for a batch's positions, cast once per forward rather than once per layer."""
+    cs = cache[positions].to(dtype)
+    return cs[:, 0, None, :], cs[:, 1, None, :]
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q `[T, H, D]`, k `[T, KVH, D]`; returns rotated copies."""
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

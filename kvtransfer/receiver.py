@@ -1,8 +1,8 @@
 """The decode side: owns nothing but a view of its paged KV cache and lands other processes' blocks in it.
 
 The cache's owner first says which blocks a request will be filled into (`expect`), then hands the address
-to a sender. Each message carries one layer of one request: K and V of its blocks, in the order of the block ids
-it names. A layer whose blocks form one contiguous run is received straight into the cache; scattered blocks
+to a sender. The sender names those blocks once (`begin`); then each message carries one layer of the request:
+K and V of its blocks, in block-id order. A layer whose blocks form one contiguous run is received straight into the cache; scattered blocks
 go through a staging buffer and are scattered on arrival. The request's future resolves once every layer has
 landed (only then are the blocks ready), or fails on timeout, on the sender's abort, or when the sender that
 was feeding it disconnects. Messages for unknown or cancelled requests are read and dropped.
@@ -128,7 +128,11 @@ class KVReceiver:
             while True:
                 header = await conn.recv_header()
                 kind = header.get("type")
-                if kind == "layer":
+                if kind == "begin":
+                    err = self._on_begin(conn_id, header)
+                    if err:
+                        await conn.send({"type": "error", "req": header["req"], "error": err})
+                elif kind == "layer":
                     done = await self._on_layer(conn, conn_id, header)
                     if done is not None:
                         await conn.send({"type": "done", "req": done})
@@ -144,34 +148,45 @@ class KVReceiver:
                     self._fail(rid, PeerDisconnected(f"sender of request {rid} went away: {e}"))
             log.info("KV sender %s disconnected: %s", conn.peer, e)
 
+    def _on_begin(self, conn_id: int, h: dict) -> str | None:
+        """A sender announces which blocks it will fill; returns an error text if that is not what we expect."""
+        rid = h["req"]
+        exp = self._expected.get(rid)
+        if exp is None:
+            self.discarded_messages += 1
+            return "request not expected (cancelled or unknown)"
+        if h["blocks"] != exp.block_ids:
+            self._fail(rid, TransferError(f"request {rid}: sender targets blocks {h['blocks'][:8]}..., "
+                                          f"expected {exp.block_ids[:8]}..."))
+            return "block ids do not match the reservation"
+        exp.feeders.add(conn_id)
+        return None
+
     async def _on_layer(self, conn: Connection, conn_id: int, h: dict) -> str | None:
         """Land one layer message; returns the request id if that completed it."""
-        rid, layer, blocks = h["req"], h["layer"], h["blocks"]
-        nbytes = len(blocks) * self.layout.block_nbytes
+        rid, layer, n = h["req"], h["layer"], h["n"]
+        nbytes = n * self.layout.block_nbytes
         exp = self._expected.get(rid)
-        valid = exp is not None and blocks == exp.block_ids and 0 <= layer < self.layout.num_layers \
-            and layer not in exp.layers_done
+        valid = exp is not None and conn_id in exp.feeders and n == len(exp.block_ids) \
+            and 0 <= layer < self.layout.num_layers and layer not in exp.layers_done
         if not valid:
             if exp is not None:
-                self._fail(rid, TransferError(f"request {rid}: unexpected blocks or layer {layer}"))
+                self._fail(rid, TransferError(f"request {rid}: unexpected layer message {layer}"))
             self.discarded_messages += 1
-            scratch = np.empty(nbytes, dtype=np.uint8)
-            await conn.recv_into(scratch)
-            await conn.recv_into(scratch)
-            await conn.send({"type": "error", "req": rid, "error": "request not expected (cancelled or unknown)"})
+            await conn.recv_many([np.empty(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8)])
+            if exp is not None:
+                await conn.send({"type": "error", "req": rid, "error": "request not expected (cancelled or unknown)"})
             return None
+        blocks = exp.block_ids
         if not exp.started:
             exp.started = time.perf_counter()
-        exp.feeders.add(conn_id)
         kv_layer = self.cache[layer]
         run = contiguous_run(blocks)
         if run is not None:
-            for kv in (0, 1):
-                await conn.recv_into(as_bytes(kv_layer[kv, run[0]:run[1]]))
+            await conn.recv_many([as_bytes(kv_layer[kv, run[0]:run[1]]) for kv in (0, 1)])
         else:
             staging = torch.empty((2, len(blocks)) + tuple(kv_layer.shape[2:]), dtype=kv_layer.dtype)
-            for kv in (0, 1):
-                await conn.recv_into(as_bytes(staging[kv]))
+            await conn.recv_many([as_bytes(staging[0]), as_bytes(staging[1])])
             if rid not in self._expected:  # cancelled while the bytes were in flight: leave the cache alone
                 return None
             kv_layer.index_copy_(1, torch.tensor(blocks), staging)

@@ -74,20 +74,24 @@ class _Peer:
         self.reader = asyncio.create_task(self._read_loop())
 
     async def _write_loop(self) -> None:
+        """Send whatever is queued as one batch of in-flight messages, in queue order."""
         while True:
-            item = await self.queue.get()
-            if item is None:
-                return
-            header, payloads, nbytes = item
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            stop = None in items
+            items = [i for i in items if i is not None]
             try:
-                if self.broken is None:
-                    await asyncio.wait_for(self.conn.send(header, payloads), self.sender.timeout)
+                if self.broken is None and items:
+                    await asyncio.wait_for(self.conn.send_many([(h, p) for h, p, _ in items]), self.sender.timeout)
             except (PeerDisconnected, asyncio.TimeoutError) as e:
                 self.fail(PeerDisconnected(f"sending KV to {self.address} failed: {e!r}")
                           if isinstance(e, PeerDisconnected) else
                           TransferTimeout(f"receiver {self.address} did not take KV for {self.sender.timeout:.1f}s"))
             finally:
-                self.sender._budget.release(nbytes)
+                self.sender._budget.release(sum(n for _, _, n in items))
+            if stop:
+                return
 
     async def _read_loop(self) -> None:
         try:
@@ -200,6 +204,10 @@ class KVSender:
                         trace=trace or {})
         peer.requests[request_id] = req
         self._requests[request_id] = req
+        begin = {"type": "begin", "req": request_id, "blocks": req.dst_block_ids}
+        if req.trace:
+            begin["trace"] = req.trace
+        peer.queue.put_nowait((begin, (), 0))
 
     def send_layer(self, request_id: str, layer: int) -> None:
         """Queue layer `layer` of a begun request. Thread-safe; call it right after the layer's KV is written."""
@@ -213,9 +221,7 @@ class KVSender:
             packed = kv_layer.index_select(1, torch.tensor(req.src_block_ids))
             k, v = packed[0], packed[1]
         nbytes = 2 * len(req.src_block_ids) * self.layout.block_nbytes
-        header = {"type": "layer", "req": request_id, "layer": layer, "blocks": req.dst_block_ids}
-        if req.trace:
-            header["trace"] = req.trace
+        header = {"type": "layer", "req": request_id, "layer": layer, "n": len(req.src_block_ids)}
         on_loop = _running_loop() is self._loop
         self._budget.acquire(nbytes, block=not on_loop)
         req.stats.nbytes += nbytes

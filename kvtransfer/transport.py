@@ -28,12 +28,22 @@ class Connection(abc.ABC):
     @abc.abstractmethod
     async def send(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None: ...
 
+    async def send_many(self, messages: Sequence[tuple[dict, Sequence[np.ndarray]]]) -> None:
+        """Send several messages in order; transports that can keep them all in flight at once override this."""
+        for header, payloads in messages:
+            await self.send(header, payloads)
+
     @abc.abstractmethod
     async def recv_header(self) -> dict: ...
 
     @abc.abstractmethod
     async def recv_into(self, buffer: np.ndarray) -> None:
         """Fill `buffer` with the next payload (exactly its size)."""
+
+    async def recv_many(self, buffers: Sequence[np.ndarray]) -> None:
+        """Fill several buffers with the next payloads, in order."""
+        for b in buffers:
+            await self.recv_into(b)
 
     @abc.abstractmethod
     async def close(self) -> None: ...

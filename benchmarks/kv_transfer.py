@@ -1,0 +1,178 @@
+"""KV transfer bandwidth: pdserve's UCX and TCP paths next to raw ucxx and memcpy, in one run on one host.
+
+    python -m benchmarks.kv_transfer --tokens 128 1024 8192 --repeats 5
+
+The layout is a 135M-class model's (30 layers, 3 KV heads, head dim 64, block 16, bf16). Each pdserve
+transfer is one request: 30 layer messages of K and V from the sender's cache into the receiver's paged cache,
+timed at the sender from the first layer queued to the receiver's acknowledgement. Raw ucxx is one buffer of
+the same size sent and acknowledged on the same kind of endpoint; memcpy is a torch copy of that buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import threading
+import time
+
+import numpy as np
+import torch
+
+LAYOUT = dict(model="bench-135m", dtype="bfloat16", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
+
+
+def _cache(num_blocks: int, random: bool) -> torch.Tensor:
+    shape = (LAYOUT["num_layers"], 2, num_blocks, LAYOUT["block_size"], LAYOUT["num_kv_heads"], LAYOUT["head_dim"])
+    t = torch.empty(shape, dtype=torch.bfloat16)
+    return t.normal_() if random else t.zero_()
+
+
+def _receiver(pipe, num_blocks: int) -> None:
+    """Serves pdserve receivers for both transports and a raw ucxx echo-ack endpoint."""
+    import ucxx
+
+    from kvtransfer.layout import KVLayout
+    from kvtransfer.receiver import KVReceiver
+    from kvtransfer.transport import make_transport
+
+    async def raw_handler(ep) -> None:
+        while True:
+            size = np.empty(1, dtype=np.uint64)
+            try:
+                await ep.recv(size)
+            except Exception:  # noqa: BLE001 - the benchmark closed the endpoint
+                return
+            buf = np.empty(int(size[0]), dtype=np.uint8)
+            await ep.recv(buf)
+            await ep.send(size)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        cache = _cache(num_blocks, random=False)
+        layout = KVLayout(**LAYOUT, num_blocks=num_blocks)
+        receivers = {name: await KVReceiver(cache, layout, make_transport(name)).start() for name in ("ucx", "tcp")}
+        raw = ucxx.create_listener(raw_handler)
+        commands: asyncio.Queue = asyncio.Queue()
+        threading.Thread(target=lambda: [loop.call_soon_threadsafe(commands.put_nowait, pipe.recv())
+                                         for _ in iter(int, 1)], daemon=True).start()
+        pipe.send({name: r.address for name, r in receivers.items()} | {"raw": raw.port})
+        while True:
+            cmd = await commands.get()
+            if cmd[0] == "stop":
+                for r in receivers.values():
+                    await r.close()
+                pipe.send("stopped")
+                return
+            _, name, rid, blocks = cmd
+            receivers[name].expect(rid, blocks)
+            pipe.send("ready")
+
+    asyncio.run(main())
+
+
+async def _raw_ucxx(port: int, nbytes: int, repeats: int) -> list[float]:
+    import ucxx
+
+    ep = await ucxx.create_endpoint("127.0.0.1", port)
+    buf = np.random.randint(0, 255, nbytes, dtype=np.uint8)
+    ack = np.empty(1, dtype=np.uint64)
+    out = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        await ep.send(np.array([nbytes], dtype=np.uint64))
+        await ep.send(buf)
+        await ep.recv(ack)
+        out.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    await ep.close()
+    return out[1:]
+
+
+async def _pdserve(sender, address: str, pipe, name: str, blocks: int, repeats: int) -> list[float]:
+    out = []
+    for r in range(repeats + 1):
+        rid = f"{name}-{blocks}-{r}"
+        ids = list(range(blocks))
+        pipe.send(("expect", name, rid, ids))
+        assert await asyncio.to_thread(pipe.recv) == "ready"
+        await sender.begin(rid, address, ids, ids)
+        t0 = time.perf_counter()
+        await asyncio.to_thread(lambda: [sender.send_layer(rid, layer) for layer in range(LAYOUT["num_layers"])])
+        stats = await sender.finish(rid)
+        out.append(stats.nbytes / (time.perf_counter() - t0) / 1e9)
+    return out[1:]
+
+
+def _memcpy(nbytes: int, repeats: int) -> list[float]:
+    src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
+    dst = torch.empty_like(src)
+    out = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        out.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return out[1:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 1024, 8192])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    from kvtransfer.ucx_transport import _UCX_DEFAULTS
+
+    for k, v in _UCX_DEFAULTS.items():  # the raw baseline gets the same UCX settings as pdserve
+        os.environ.setdefault(k, v)
+
+    from kvtransfer.layout import KVLayout
+    from kvtransfer.sender import KVSender
+    from kvtransfer.transport import make_transport
+
+    max_blocks = max(-(-t // LAYOUT["block_size"]) for t in args.tokens)
+    ctx = mp.get_context("spawn")
+    pipe, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(child, max_blocks), daemon=True)
+    proc.start()
+    addresses = pipe.recv()
+
+    async def run() -> list[dict]:
+        cache = _cache(max_blocks, random=True)
+        layout = KVLayout(**LAYOUT, num_blocks=max_blocks)
+        senders = {name: KVSender(cache, layout, make_transport(name)) for name in ("ucx", "tcp")}
+        rows = []
+        print(f"{'tokens':>6} {'MiB':>7} {'memcpy':>8} {'raw ucxx':>9} {'pdserve ucx':>12} {'pdserve tcp':>12}"
+              f" {'ucx/raw':>8}   GB/s, median of {args.repeats}")
+        for tokens in args.tokens:
+            blocks = -(-tokens // LAYOUT["block_size"])
+            nbytes = blocks * LAYOUT["num_layers"] * 2 * layout.block_nbytes
+            row = {"tokens": tokens, "bytes": nbytes,
+                   "memcpy": statistics.median(_memcpy(nbytes, args.repeats)),
+                   "raw_ucxx": statistics.median(await _raw_ucxx(addresses["raw"], nbytes, args.repeats))}
+            for name, sender in senders.items():
+                row[f"pdserve_{name}"] = statistics.median(
+                    await _pdserve(sender, addresses[name], pipe, name, blocks, args.repeats))
+            row["ucx_over_raw"] = row["pdserve_ucx"] / row["raw_ucxx"]
+            rows.append(row)
+            print(f"{tokens:>6} {nbytes / 2**20:>7.1f} {row['memcpy']:>8.2f} {row['raw_ucxx']:>9.2f} "
+                  f"{row['pdserve_ucx']:>12.2f} {row['pdserve_tcp']:>12.2f} {row['ucx_over_raw']:>8.2f}", flush=True)
+        for s in senders.values():
+            await s.close()
+        return rows
+
+    rows = asyncio.run(run())
+    pipe.send(("stop",))
+    pipe.recv()
+    proc.join(10)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"layout": LAYOUT, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
