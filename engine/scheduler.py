@@ -123,6 +123,11 @@ class Scheduler:
         seq.finish_reason = seq.finish_reason or reason
         seq.status = SequenceStatus.FINISHED
 
+    def detach(self, seq: Sequence) -> None:
+        """Take a running sequence out of scheduling but leave its blocks allocated (the caller frees them)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_ids)
         seq.block_ids, seq.block_hashes = [], []

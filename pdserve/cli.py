@@ -1,70 +1,335 @@
-"""The `pdserve` command."""
+"""The `pdserve` command: run one service, the whole stack, or a client.
+
+    pdserve up [--prompt TEXT]          gateway + prefill + decode workers on this machine
+    pdserve gateway|prefill|decode      one service (what compose runs)
+    pdserve generate TEXT               stream a completion from a running gateway
+    pdserve generate --local TEXT       run the engine in this process instead
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
+import signal
+import subprocess
 import sys
 import time
+
+log = logging.getLogger("pdserve")
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="model directory, .gguf file, or 'default' (SmolLM2-135M)")
+    p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16, float16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=_size, default=_size("512M"), help="KV pool size, e.g. 512M, 2G")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for this worker")
+    p.add_argument("--kv-transport", default=os.environ.get("PDSERVE_KV_TRANSPORT", "ucx"), choices=["ucx", "tcp"])
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for a prompt")
+    up = sub.add_parser("up", help="start gateway + prefill + decode workers on this machine")
+    _engine_args(up)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051, help="the gateway's gRPC port")
+    up.add_argument("--prefill-workers", type=int, default=1)
+    up.add_argument("--decode-workers", type=int, default=1)
+    up.add_argument("--prefill-port", type=int, default=50061, help="first prefill worker port")
+    up.add_argument("--decode-port", type=int, default=50071, help="first decode worker port")
+    up.add_argument("--prompt", default=None, help="answer this prompt once the stack is up")
+    up.add_argument("--exit-after-prompt", action="store_true", help="stop the stack after answering --prompt")
+
+    gw = sub.add_parser("gateway", help="the public gRPC API")
+    gw.add_argument("--model", default="default")
+    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--port", type=int, default=50051)
+    gw.add_argument("--prefill", default=os.environ.get("PDSERVE_PREFILL", ""),
+                    help="comma-separated host:port list of prefill workers")
+    gw.add_argument("--decode", default=os.environ.get("PDSERVE_DECODE", ""),
+                    help="comma-separated host:port list of decode workers")
+    gw.add_argument("--ready-timeout", type=float, default=600.0)
+
+    for role in ("prefill", "decode"):
+        w = sub.add_parser(role, help=f"a {role} worker")
+        _engine_args(w)
+        w.add_argument("--host", default="127.0.0.1")
+        w.add_argument("--port", type=int, default=50061 if role == "prefill" else 50071)
+        if role == "decode":
+            w.add_argument("--kv-host", default=None,
+                           help="address prefill workers use to reach this worker's KV receiver (default: --host)")
+
+    gen = sub.add_parser("generate", help="stream a completion")
     gen.add_argument("prompt")
-    gen.add_argument("--local", action="store_true", help="run the engine in this process")
-    gen.add_argument("--model", default=None, help="model directory, .gguf file, or 'default'")
-    gen.add_argument("--dtype", default="float32")
-    gen.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--address", default="127.0.0.1:50051", help="gateway host:port")
+    gen.add_argument("--local", action="store_true", help="run the engine in this process, no services")
+    gen.add_argument("--model", default="default")
+    gen.add_argument("--dtype", default="auto")
+    _sampling_args(gen)
     return parser
 
 
-def _generate_local(args: argparse.Namespace) -> int:
+def _engine_config(args: argparse.Namespace):
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
     from engine.model_store import resolve_model
-    from engine.sampling_params import SamplingParams
-    from gateway.tokenizer import Tokenizer
 
     path = resolve_model(args.model)
-    tokenizer = Tokenizer(path)
-    engine = LLMEngine(EngineConfig(model=str(path), dtype=args.dtype))
+    dtype = args.dtype
+    if dtype == "auto":
+        import json
+
+        cfg = json.loads((path / "config.json").read_text())
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return EngineConfig(model=str(path), dtype=dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                        num_threads=args.threads)
+
+
+def _run(main) -> int:
+    from pdserve.grpc_server import install_uvloop
+
+    install_uvloop()
+    asyncio.run(main())
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from pdserve.grpc_server import serve_until_signal
+
+    cfg = _engine_config(args)
+
+    async def main() -> None:
+        if args.command == "prefill":
+            from prefill_service.server import serve
+
+            server, _, worker = await serve(cfg, args.host, args.port, args.kv_transport)
+            extra = None
+        else:
+            from decode_service.server import serve
+
+            server, _, worker, extra = await serve(cfg, args.host, args.port, args.kv_transport,
+                                                   args.kv_host or args.host)
+
+        async def stop() -> None:
+            await server.stop(grace=30)
+            await worker.stop()
+            if extra is not None:
+                await extra.close()
+
+        await serve_until_signal(stop)
+
+    return _run(main)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from engine.model_store import resolve_model
+    from gateway.server import serve
+    from pdserve.grpc_server import serve_until_signal
+
+    path = resolve_model(args.model)
+    prefill = [a for a in args.prefill.split(",") if a]
+    decode = [a for a in args.decode.split(",") if a]
+
+    async def main() -> None:
+        server, _, router = await serve(path, args.host, args.port, prefill, decode, args.ready_timeout)
+        print(f"pdserve gateway ready on {args.host}:{args.port}", flush=True)
+
+        async def stop() -> None:
+            await server.stop(grace=30)
+            await router.close()
+
+        await serve_until_signal(stop)
+
+    return _run(main)
+
+
+async def _stream(address: str, args: argparse.Namespace, out=sys.stdout) -> int:
+    import grpc
+
+    from pdserve.client import Client
+
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.top_p is not None:
+        sampling["top_p"] = args.top_p
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    if args.stop:
+        sampling["stop"] = args.stop
+    kw = {"prompt": args.prompt} if args.raw else {"messages": [{"role": "user", "content": args.prompt}]}
+    start = time.perf_counter()
+    first = None
+    n = 0
+    async with Client(address) as client:
+        try:
+            async for resp in client.stream(**kw, **sampling):
+                first = first or time.perf_counter()
+                n += len(resp.token_ids)
+                out.write(resp.text)
+                out.flush()
+        except grpc.aio.AioRpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    end = time.perf_counter()
+    out.write("\n")
+    if first is not None:
+        print(f"[{n} tokens, first after {first - start:.2f}s, {n / (end - start):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.local:
+        return _generate_local(args)
+    return asyncio.run(_stream(args.address, args))
+
+
+def _generate_local(args: argparse.Namespace) -> int:
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
+    from gateway.tokenizer import Tokenizer
+
+    args.block_size, args.kv_cache_memory, args.max_num_seqs = 16, 256 << 20, 8
+    args.max_num_batched_tokens, args.max_model_len, args.no_prefix_caching, args.threads = 2048, None, False, None
+    cfg = _engine_config(args)
+    tokenizer = Tokenizer(cfg.model)
+    engine = LLMEngine(cfg)
     ids = tokenizer.encode(args.prompt) if args.raw else tokenizer.apply_chat_template(
         [{"role": "user", "content": args.prompt}])
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    start = time.perf_counter()
-    engine.add_request(ids, params, "cli")
-    out: list[int] = []
-    printed = ""
-    while engine.has_work:
+    engine.add_request(ids, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                           top_p=args.top_p or 1.0, seed=args.seed), "cli")
+    detok, stops = IncrementalDetokenizer(tokenizer.hf), StopStringMatcher(args.stop)
+    start, n = time.perf_counter(), 0
+    while engine.has_work and not stops.stopped:
         for step in engine.step():
-            out.extend(step.new_token_ids)
-            text = tokenizer.decode(out)
-            if not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(printed):])
-                sys.stdout.flush()
-                printed = text
-    elapsed = time.perf_counter() - start
-    sys.stdout.write("\n")
-    print(f"[{len(out)} tokens in {elapsed:.2f}s, {len(out) / elapsed:.1f} tok/s]", file=sys.stderr)
+            n += len(step.new_token_ids)
+            sys.stdout.write(stops.feed(detok.add(step.new_token_ids)))
+            if step.finished:
+                sys.stdout.write(stops.feed(detok.flush()) + stops.flush())
+            sys.stdout.flush()
+    print(f"\n[{n} tokens in {time.perf_counter() - start:.2f}s]", file=sys.stderr)
     return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Spawn the workers and the gateway as child processes; stop them all on Ctrl-C / SIGTERM."""
+    from engine.model_store import resolve_model
+
+    resolve_model(args.model)  # convert the default model once, before three processes race to do it
+    exe = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level]
+    workers = args.prefill_workers + args.decode_workers
+    threads = args.threads or max(1, (os.cpu_count() or 1) // workers)
+    common = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size),
+              "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs", str(args.max_num_seqs),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--threads", str(threads),
+              "--kv-transport", args.kv_transport]
+    if args.max_model_len:
+        common += ["--max-model-len", str(args.max_model_len)]
+    if args.no_prefix_caching:
+        common += ["--no-prefix-caching"]
+    prefill = [f"{args.host}:{args.prefill_port + i}" for i in range(args.prefill_workers)]
+    decode = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode_workers)]
+    procs: list[subprocess.Popen] = []
+    stopping = False
+
+    def stop_all(*_):
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        for p in reversed(procs):  # gateway first: no new requests, then workers finish what is in flight
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=45)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+    signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(0)))
+    try:
+        for role, addrs in (("prefill", prefill), ("decode", decode)):
+            for addr in addrs:
+                host, port = addr.rsplit(":", 1)
+                procs.append(subprocess.Popen([*exe, role, "--host", host, "--port", port, *common]))
+        procs.append(subprocess.Popen([*exe, "gateway", "--model", args.model, "--host", args.host,
+                                       "--port", str(args.port), "--prefill", ",".join(prefill),
+                                       "--decode", ",".join(decode)]))
+        gateway = f"{args.host}:{args.port}"
+        t0 = time.perf_counter()
+        asyncio.run(_wait_healthy(gateway, procs, timeout=600))
+        print(f"pdserve is up: gateway {gateway}, prefill {prefill}, decode {decode} "
+              f"({time.perf_counter() - t0:.1f}s)", flush=True)
+        if args.prompt:
+            ns = argparse.Namespace(prompt=args.prompt, max_tokens=256, temperature=0.0, top_p=None, seed=None,
+                                    stop=[], raw=False)
+            asyncio.run(_stream(gateway, ns))
+            print(f"[first answer {time.perf_counter() - t0:.1f}s after start]", file=sys.stderr)
+            if args.exit_after_prompt:
+                return 0
+        print("serving; Ctrl-C stops", flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        log.error("a service exited: %s", [(p.args[4], p.returncode) for p in procs if p.poll() is not None])
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_all()
+
+
+async def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                raise SystemExit("a pdserve service exited during start-up (see its log above)")
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.5)
+    raise SystemExit(f"gateway {address} not healthy after {timeout:.0f}s")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "generate":
-        if not args.local:
-            print("pdserve generate: the gateway client arrives with the pipeline; use --local", file=sys.stderr)
-            return 2
-        return _generate_local(args)
-    return 2
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [{args.command}:%(process)d] %(name)s: %(message)s")
+    handlers = {"up": cmd_up, "gateway": cmd_gateway, "prefill": cmd_worker, "decode": cmd_worker,
+                "generate": cmd_generate}
+    return handlers[args.command](args)
 
 
 if __name__ == "__main__":

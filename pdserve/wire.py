@@ -1,0 +1,98 @@
+"""Conversions between the engine's plain dataclasses and the pdserve.v1 protobuf messages (worker side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampler import SampleOutput
+from engine.sampling_params import SamplingParams
+from protos import common_pb2, worker_pb2
+
+FINISH_REASONS = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "logprobs", "min_tokens")
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Proto -> engine params; unset optional fields keep the engine defaults. Not validated here."""
+    kwargs = {name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)}
+    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, **kwargs)
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+    for name in _OPTIONAL_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def logprob_to_proto(sample: SampleOutput) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=sample.token_id, logprob=sample.logprob or 0.0,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in sample.top_logprobs])
+
+
+def logprob_from_proto(msg: common_pb2.TokenLogprob) -> SampleOutput:
+    return SampleOutput(msg.token_id, msg.logprob, [(t.token_id, t.logprob) for t in msg.top])
+
+
+@dataclass
+class PrefillJob:
+    """What a decode worker asks a prefill worker to do for one sequence (the in-process PrefillRequest)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    kv_address: str
+    block_ids: list[int]
+    layout_fingerprint: str
+
+
+@dataclass
+class PrefillResult:
+    sample: SampleOutput
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    transfer: dict = field(default_factory=dict)
+
+
+
+def job_to_proto(job: PrefillJob) -> worker_pb2.PrefillRequest:
+    return worker_pb2.PrefillRequest(
+        request_id=job.request_id, token_ids=job.token_ids, num_prompt_tokens=job.num_prompt_tokens,
+        sampling=sampling_to_proto(job.params),
+        kv_target=worker_pb2.KVTarget(address=job.kv_address, block_ids=job.block_ids,
+                                      layout_fingerprint=job.layout_fingerprint))
+
+
+def job_from_proto(msg: worker_pb2.PrefillRequest) -> PrefillJob:
+    return PrefillJob(msg.request_id, list(msg.token_ids), msg.num_prompt_tokens, sampling_from_proto(msg.sampling),
+                      msg.kv_target.address, list(msg.kv_target.block_ids), msg.kv_target.layout_fingerprint)
+
+
+def result_to_proto(result: PrefillResult) -> worker_pb2.PrefillResponse:
+    t = result.transfer
+    return worker_pb2.PrefillResponse(
+        token_id=result.sample.token_id, logprob=logprob_to_proto(result.sample),
+        cached_tokens=result.cached_tokens, computed_tokens=result.computed_tokens,
+        transfer=worker_pb2.TransferFigures(bytes=t.get("bytes", 0), seconds=t.get("seconds", 0.0),
+                                            layers=t.get("layers", 0), blocks=t.get("blocks", 0),
+                                            transport=t.get("transport", "")))
+
+
+def result_from_proto(msg: worker_pb2.PrefillResponse, wants_logprobs: bool) -> PrefillResult:
+    sample = logprob_from_proto(msg.logprob) if wants_logprobs else SampleOutput(msg.token_id)
+    sample.token_id = msg.token_id
+    t = msg.transfer
+    return PrefillResult(sample, msg.cached_tokens, msg.computed_tokens,
+                         {"bytes": t.bytes, "seconds": t.seconds, "layers": t.layers, "blocks": t.blocks,
+                          "transport": t.transport})

@@ -1,0 +1,48 @@
+"""gRPC front of the prefill worker: `PrefillService.Prefill` (unary) and `GetStats`."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from engine.config import EngineConfig
+from kvtransfer.errors import TransferError
+from kvtransfer.layout import LayoutMismatch
+from pdserve.grpc_server import start_server
+from pdserve.wire import job_from_proto, result_to_proto
+from prefill_service.worker import PrefillWorker, QueueFull
+from protos import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        try:
+            result = await self.worker.prefill(job_from_proto(request))
+        except LayoutMismatch as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except TransferError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer to {request.kv_target.address} failed: {e}")
+        return result_to_proto(result)
+
+    async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
+        return worker_pb2.WorkerStats(**self.worker.stats())
+
+
+async def serve(cfg: EngineConfig, host: str, port: int, transport: str) -> tuple[grpc.aio.Server, int, PrefillWorker]:
+    worker = PrefillWorker(cfg, transport=transport)
+    await worker.start()
+    server, bound, _ = await start_server(
+        host, port, lambda s: worker_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(worker), s),
+        [worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name])
+    log.info("prefill worker on %s:%d", host, bound)
+    return server, bound, worker

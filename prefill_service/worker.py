@@ -1,0 +1,221 @@
+"""The prefill worker: batches prompts under a token budget, runs them, and pushes each layer's KV as it is made.
+
+Prompts queue in the engine scheduler, which admits them in arrival order within the token budget (long prompts
+are chunked across steps) and serves repeated prefixes from this worker's own prefix cache. In the step where a
+prompt's last chunk runs, its transfer is begun before the forward and every layer's K/V is handed to the
+kvtransfer sender right after that layer is computed, so the wire works while the next layer computes. The
+request is answered with the first sampled token once the decode worker confirms all layers landed; only then
+are this worker's blocks released (to the prefix cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from engine.block_allocator import BlockAllocator
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from kvtransfer.errors import TransferError
+from kvtransfer.layout import KVLayout
+from kvtransfer.sender import KVSender
+from kvtransfer.transport import make_transport
+from pdserve.wire import PrefillJob, PrefillResult
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """Too many prompts already waiting."""
+
+
+@dataclass
+class _Job:
+    spec: PrefillJob
+    seq: Sequence
+    future: asyncio.Future
+    cancelled: bool = False
+
+
+class PrefillWorker:
+    def __init__(self, cfg: EngineConfig, transport: str = "ucx", max_queued: int = 1024,
+                 transfer_timeout: float = 60.0) -> None:
+        self.runner = ModelRunner.from_config(cfg)
+        self.model_config = self.runner.config
+        self.model_name = self.model_config.name
+        self.max_model_len = min(cfg.max_model_len or 1 << 62, self.model_config.max_position_embeddings)
+        spec = self.runner.spec
+        self.allocator = BlockAllocator(spec.num_blocks, spec.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.layout = KVLayout.of(self.runner.kv_cache, self.model_name)
+        self.sender = KVSender(self.runner.kv_cache, self.layout, make_transport(transport), timeout=transfer_timeout)
+        self.max_queued = max_queued
+        self.requests_total = 0
+        self.prefill_tokens_total = 0
+        self._jobs: dict[str, _Job] = {}
+        self._in_step: set[str] = set()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-model")
+        self._wakeup = asyncio.Event()
+        self._finishing: set[asyncio.Task] = set()
+        self._loop_task: asyncio.Task | None = None
+        self._closing = False
+
+    async def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._run_loop(), name="prefill-loop")
+
+    async def stop(self) -> None:
+        self._closing = True
+        self._wakeup.set()
+        if self._loop_task:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        await asyncio.gather(*self._finishing, return_exceptions=True)
+        await self.sender.close()
+        self._executor.shutdown(wait=True)
+
+    def check(self, job: PrefillJob) -> None:
+        job.params.validate(self.model_config.vocab_size)
+        n = len(job.token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if not 0 < job.num_prompt_tokens <= n:
+            raise ValueError("num_prompt_tokens must be in [1, len(token_ids)]")
+        if any(not 0 <= t < self.model_config.vocab_size for t in job.token_ids):
+            raise ValueError(f"token ids outside [0, {self.model_config.vocab_size})")
+        if n >= self.max_model_len:
+            raise ValueError(f"{n} tokens; the model context is {self.max_model_len}")
+        if self.allocator.blocks_needed(n) > self.allocator.num_blocks:
+            raise ValueError(f"{n} tokens; the prefill KV pool holds {self.allocator.num_blocks * self.allocator.block_size}")
+        if len(job.block_ids) != self.allocator.blocks_needed(n):
+            raise ValueError(f"KV target has {len(job.block_ids)} blocks for {n} tokens")
+        if job.layout_fingerprint != self.layout.fingerprint:
+            raise ValueError(f"KV layout fingerprint {job.layout_fingerprint!r} does not match this worker's "
+                             f"{self.layout.fingerprint!r} ({self.layout.compatibility_fields()})")
+
+    async def prefill(self, job: PrefillJob) -> PrefillResult:
+        """Queue, run and transfer one prompt; returns its first token. Cancelling it frees its blocks."""
+        self.check(job)
+        if job.request_id in self._jobs:
+            raise ValueError(f"request id {job.request_id!r} is already being prefilled")
+        if len(self.scheduler.waiting) >= self.max_queued:
+            raise QueueFull(f"{len(self.scheduler.waiting)} prompts already waiting")
+        self.requests_total += 1
+        seq = Sequence(job.request_id, list(job.token_ids), job.params, num_prompt_tokens=job.num_prompt_tokens)
+        entry = _Job(job, seq, asyncio.get_running_loop().create_future())
+        self._jobs[job.request_id] = entry
+        self.scheduler.add(seq)
+        self._wakeup.set()
+        try:
+            return await asyncio.shield(entry.future)
+        finally:
+            if not entry.future.done():
+                entry.cancelled = True
+                await self._abort(entry)
+
+    async def _abort(self, entry: _Job) -> None:
+        rid = entry.seq.request_id
+        await self.sender.abort(rid, "prefill cancelled")
+        if rid in self._in_step:
+            return  # the loop releases it after the forward in flight
+        self._jobs.pop(rid, None)
+        if entry.seq.status is not SequenceStatus.FINISHED:
+            self.scheduler.finish(entry.seq, "abort")
+
+    @property
+    def queue_length(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            if not self.scheduler.has_work:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = self.scheduler.schedule()
+            if not batch.seqs:
+                await asyncio.sleep(0.005)  # pool busy with transfers in flight; they free blocks soon
+                continue
+            finishing = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+            sending = await self._begin_transfers(finishing)
+            self._in_step = {s.request_id for s in batch.seqs}
+
+            def push(layer: int) -> None:
+                for rid in sending:
+                    self.sender.send_layer(rid, layer)
+
+            try:
+                samples = await loop.run_in_executor(self._executor, self.runner.execute, batch, push)
+            except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the worker
+                log.exception("prefill step failed")
+                self._in_step = set()
+                for seq in batch.seqs:
+                    await self._fail(seq, e)
+                continue
+            self._in_step = set()
+            self.scheduler.commit(batch)
+            self.prefill_tokens_total += batch.num_tokens
+            for seq, sample in zip(batch.seqs, samples):
+                entry = self._jobs.get(seq.request_id)
+                if entry is None or entry.cancelled:
+                    self._jobs.pop(seq.request_id, None)
+                    self.scheduler.finish(seq, "abort")
+                    continue
+                if sample is None:
+                    continue
+                self.scheduler.detach(seq)
+                task = asyncio.create_task(self._complete(entry, sample, seq.request_id in sending))
+                self._finishing.add(task)
+                task.add_done_callback(self._finishing.discard)
+
+    async def _begin_transfers(self, seqs: list[Sequence]) -> set[str]:
+        started: set[str] = set()
+        for seq in seqs:
+            entry = self._jobs[seq.request_id]
+            try:
+                await self.sender.begin(seq.request_id, entry.spec.kv_address, seq.block_ids, entry.spec.block_ids)
+                started.add(seq.request_id)
+            except (TransferError, OSError, ValueError) as e:
+                log.warning("request %s: cannot reach KV target %s: %s", seq.request_id, entry.spec.kv_address, e)
+                if not entry.future.done():
+                    entry.future.set_exception(e)
+        return started
+
+    async def _complete(self, entry: _Job, sample, sent: bool) -> None:
+        seq = entry.seq
+        try:
+            if not sent:
+                return
+            stats = await self.sender.finish(seq.request_id)
+            if not entry.future.done():
+                entry.future.set_result(PrefillResult(sample, seq.num_cached_tokens,
+                                                      len(seq.token_ids) - seq.num_cached_tokens, stats.as_dict()))
+        except Exception as e:  # noqa: BLE001 - handed to the waiting RPC
+            if not entry.future.done():
+                entry.future.set_exception(e)
+        finally:
+            self.allocator.free(seq.block_ids)
+            seq.block_ids = []
+            self._jobs.pop(seq.request_id, None)
+
+    async def _fail(self, seq: Sequence, error: Exception) -> None:
+        entry = self._jobs.pop(seq.request_id, None)
+        await self.sender.abort(seq.request_id, str(error))
+        self.scheduler.finish(seq, "abort")
+        if entry is not None and not entry.future.done():
+            entry.future.set_exception(error)
+
+    def stats(self) -> dict:
+        return {
+            "role": "prefill", "model": self.model_name,
+            "kv_blocks_total": self.allocator.num_blocks, "kv_blocks_used": self.allocator.num_used_blocks,
+            "kv_blocks_cached": self.allocator.num_cached_blocks, "block_size": self.allocator.block_size,
+            "running": len(self.scheduler.running) + len(self._finishing), "waiting": len(self.scheduler.waiting),
+            "tokens_held": 0, "prefix_hit_tokens": self.allocator.prefix_hit_tokens,
+            "requests_total": self.requests_total, "max_model_len": self.max_model_len,
+            "pending_transfers": len(self._finishing),
+        }
