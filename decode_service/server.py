@@ -78,10 +78,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         return worker_pb2.WorkerStats(**self.worker.stats())
 
 
-async def serve(cfg: EngineConfig, host: str, port: int, transport: str, kv_host: str,
+async def serve(cfg: EngineConfig, host: str, port: int, transport: str, kv_host: str, max_queued: int = 256,
                 prefill_timeout: float = 600.0) -> tuple[grpc.aio.Server, int, DecodeWorker, PrefillClients]:
     clients = PrefillClients(prefill_timeout)
-    worker = DecodeWorker(cfg, clients, transport=transport, host=kv_host)
+    worker = DecodeWorker(cfg, clients, transport=transport, host=kv_host, max_queued=max_queued)
     await worker.start()
     server, bound, _ = await start_server(
         host, port, lambda s: worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(worker), s),

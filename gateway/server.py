@@ -140,7 +140,10 @@ async def serve(model_dir: Path, host: str, port: int, prefill: list[str], decod
     tokenizer = Tokenizer(model_dir)
     router = Router(prefill, decode)
     await router.start()
-    await router.wait_ready(ready_timeout)
+    try:
+        await router.wait_ready(ready_timeout)
+    except NoWorkerAvailable as e:
+        log.warning("%s; serving anyway (requests get UNAVAILABLE until workers answer)", e)
     servicer = GenerationServicer(tokenizer, model_dir.name, router)
     server, bound, _ = await start_server(
         host, port, lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),

@@ -1,8 +1,8 @@
 """The decode side: owns nothing but a view of its paged KV cache and lands other processes' blocks in it.
 
 The cache's owner first says which blocks a request will be filled into (`expect`), then hands the address
-to a sender. The sender names those blocks once (`begin`); then each message carries one layer of the request:
-K and V of its blocks, in block-id order. A layer whose blocks form one contiguous run is received straight into the cache; scattered blocks
+to a sender. The sender names those blocks once (`begin`); then each message carries one or more consecutive
+layers of the request: K and V of its blocks, in block-id order. A layer whose blocks form one contiguous run is received straight into the cache; scattered blocks
 go through a staging buffer and are scattered on arrival. The request's future resolves once every layer has
 landed (only then are the blocks ready), or fails on timeout, on the sender's abort, or when the sender that
 was feeding it disconnects. Messages for unknown or cancelled requests are read and dropped.
@@ -163,38 +163,40 @@ class KVReceiver:
         return None
 
     async def _on_layer(self, conn: Connection, conn_id: int, h: dict) -> str | None:
-        """Land one layer message; returns the request id if that completed it."""
-        rid, layer, n = h["req"], h["layer"], h["n"]
+        """Land one message of one or more consecutive layers; returns the request id if that completed it."""
+        rid, layers, n = h["req"], h["layers"], h["n"]
         nbytes = n * self.layout.block_nbytes
         exp = self._expected.get(rid)
         valid = exp is not None and conn_id in exp.feeders and n == len(exp.block_ids) \
-            and 0 <= layer < self.layout.num_layers and layer not in exp.layers_done
+            and all(0 <= layer < self.layout.num_layers and layer not in exp.layers_done for layer in layers)
         if not valid:
             if exp is not None:
-                self._fail(rid, TransferError(f"request {rid}: unexpected layer message {layer}"))
+                self._fail(rid, TransferError(f"request {rid}: unexpected layer message {layers}"))
             self.discarded_messages += 1
-            await conn.recv_many([np.empty(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8)])
+            await conn.recv_many([np.empty(nbytes, dtype=np.uint8) for _ in range(2 * len(layers))])
             if exp is not None:
                 await conn.send({"type": "error", "req": rid, "error": "request not expected (cancelled or unknown)"})
             return None
         blocks = exp.block_ids
         if not exp.started:
             exp.started = time.perf_counter()
-        kv_layer = self.cache[layer]
         run = contiguous_run(blocks)
         if run is not None:
-            await conn.recv_many([as_bytes(kv_layer[kv, run[0]:run[1]]) for kv in (0, 1)])
+            await conn.recv_many([as_bytes(self.cache[layer, kv, run[0]:run[1]]) for layer in layers for kv in (0, 1)])
         else:
-            staging = torch.empty((2, len(blocks)) + tuple(kv_layer.shape[2:]), dtype=kv_layer.dtype)
-            await conn.recv_many([as_bytes(staging[0]), as_bytes(staging[1])])
+            shape = (len(layers), 2, len(blocks)) + tuple(self.cache.shape[3:])
+            staging = torch.empty(shape, dtype=self.cache.dtype)
+            await conn.recv_many([as_bytes(staging[i, kv]) for i in range(len(layers)) for kv in (0, 1)])
             if rid not in self._expected:  # cancelled while the bytes were in flight: leave the cache alone
                 return None
-            kv_layer.index_copy_(1, torch.tensor(blocks), staging)
+            index = torch.tensor(blocks)
+            for i, layer in enumerate(layers):
+                self.cache[layer].index_copy_(1, index, staging[i])
         if self._expected.get(rid) is not exp:
             return None
-        exp.layers_done.add(layer)
-        exp.stats.nbytes += 2 * nbytes
-        exp.stats.layers += 1
+        exp.layers_done.update(layers)
+        exp.stats.nbytes += 2 * nbytes * len(layers)
+        exp.stats.layers += len(layers)
         if len(exp.layers_done) < self.layout.num_layers:
             return None
         del self._expected[rid]

@@ -74,24 +74,42 @@ class _Peer:
         self.reader = asyncio.create_task(self._read_loop())
 
     async def _write_loop(self) -> None:
-        """Send whatever is queued as one batch of in-flight messages, in queue order."""
-        while True:
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            stop = None in items
-            items = [i for i in items if i is not None]
-            try:
-                if self.broken is None and items:
-                    await asyncio.wait_for(self.conn.send_many([(h, p) for h, p, _ in items]), self.sender.timeout)
-            except (PeerDisconnected, asyncio.TimeoutError) as e:
-                self.fail(PeerDisconnected(f"sending KV to {self.address} failed: {e!r}")
-                          if isinstance(e, PeerDisconnected) else
-                          TransferTimeout(f"receiver {self.address} did not take KV for {self.sender.timeout:.1f}s"))
-            finally:
-                self.sender._budget.release(sum(n for _, _, n in items))
-            if stop:
-                return
+        """Send whatever is queued as one batch of messages, in queue order; on a pipelined transport the next
+        batch is posted without waiting for the previous one to complete."""
+        inflight: set[asyncio.Task] = set()
+        try:
+            while True:
+                items = [await self.queue.get()]
+                while not self.queue.empty():
+                    items.append(self.queue.get_nowait())
+                stop = None in items
+                items = _coalesce([i for i in items if i is not None])
+                nbytes = sum(n for _, _, n in items)
+                if self.broken is not None or not items:
+                    self.sender._budget.release(nbytes)
+                elif self.conn.pipelined and not stop:
+                    task = asyncio.ensure_future(self._send(items, nbytes))
+                    inflight.add(task)
+                    task.add_done_callback(inflight.discard)
+                else:
+                    await asyncio.gather(*inflight)
+                    await self._send(items, nbytes)
+                if stop:
+                    await asyncio.gather(*inflight)
+                    return
+        finally:
+            for t in inflight:
+                t.cancel()
+
+    async def _send(self, items: list, nbytes: int) -> None:
+        try:
+            await asyncio.wait_for(self.conn.send_many([(h, p) for h, p, _ in items]), self.sender.timeout)
+        except (PeerDisconnected, asyncio.TimeoutError) as e:
+            self.fail(PeerDisconnected(f"sending KV to {self.address} failed: {e!r}")
+                      if isinstance(e, PeerDisconnected) else
+                      TransferTimeout(f"receiver {self.address} did not take KV for {self.sender.timeout:.1f}s"))
+        finally:
+            self.sender._budget.release(nbytes)
 
     async def _read_loop(self) -> None:
         try:
@@ -139,6 +157,19 @@ class _Peer:
             if item is not None:
                 self.sender._budget.release(item[2])
         await self.conn.close()
+
+
+def _coalesce(items: list) -> list:
+    """Merge queued layer messages of the same request into one message (fewer round trips at the receiver)."""
+    out: list = []
+    for header, payloads, nbytes in items:
+        prev = out[-1][0] if out else None
+        if prev is not None and header["type"] == "layer" and prev["type"] == "layer" and prev["req"] == header["req"]:
+            prev["layers"] = prev["layers"] + header["layers"]
+            out[-1] = (prev, out[-1][1] + payloads, out[-1][2] + nbytes)
+        else:
+            out.append((dict(header), tuple(payloads), nbytes))
+    return out
 
 
 class KVSender:
@@ -221,7 +252,7 @@ class KVSender:
             packed = kv_layer.index_select(1, torch.tensor(req.src_block_ids))
             k, v = packed[0], packed[1]
         nbytes = 2 * len(req.src_block_ids) * self.layout.block_nbytes
-        header = {"type": "layer", "req": request_id, "layer": layer, "n": len(req.src_block_ids)}
+        header = {"type": "layer", "req": request_id, "layers": [layer], "n": len(req.src_block_ids)}
         on_loop = _running_loop() is self._loop
         self._budget.acquire(nbytes, block=not on_loop)
         req.stats.nbytes += nbytes

@@ -24,6 +24,7 @@ class Connection(abc.ABC):
     """One peer-to-peer link. Not safe for concurrent senders: the caller serialises whole messages."""
 
     peer: str = "?"
+    pipelined: bool = False  # may several send_many calls be in flight at once (posted in call order)?
 
     @abc.abstractmethod
     async def send(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None: ...

@@ -21,8 +21,16 @@ from kvtransfer.transport import Connection, Handler, Listener, Transport
 
 log = logging.getLogger(__name__)
 
-# Larger TCP segments double UCX's loopback/TCP bandwidth (measured ~0.5 -> ~1.1 GB/s); the user's env wins.
-_UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "1M", "UCX_TCP_RX_SEG_SIZE": "1M", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+# Larger TCP segments double UCX's loopback/TCP bandwidth (measured ~0.5 -> ~1.1 GB/s). Python futures completed
+# by ucxx's notifier thread let a pending receive sleep; without them every pending receive busy-polls a core.
+# The user's environment wins over these.
+_UCX_DEFAULTS = {
+    "UCX_TCP_TX_SEG_SIZE": "1M",
+    "UCX_TCP_RX_SEG_SIZE": "1M",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    "UCXPY_PROGRESS_MODE": "thread",
+    "UCXPY_ENABLE_PYTHON_FUTURE": "1",
+}
 
 
 def _ucxx():
@@ -54,6 +62,8 @@ def _frames(header: dict) -> list[np.ndarray]:
 
 
 class UCXConnection(Connection):
+    pipelined = True  # UCX keeps the order of sends posted on one endpoint with one tag
+
     def __init__(self, ep, peer: str) -> None:
         self.ep = ep
         self.peer = peer

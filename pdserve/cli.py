@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         if role == "decode":
             w.add_argument("--kv-host", default=None,
                            help="address prefill workers use to reach this worker's KV receiver (default: --host)")
+            w.add_argument("--max-queued", type=int, default=256,
+                           help="requests that may wait for KV blocks before RESOURCE_EXHAUSTED")
 
     gen = sub.add_parser("generate", help="stream a completion")
     gen.add_argument("prompt")
@@ -135,7 +137,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             from decode_service.server import serve
 
             server, _, worker, extra = await serve(cfg, args.host, args.port, args.kv_transport,
-                                                   args.kv_host or args.host)
+                                                   args.kv_host or args.host, max_queued=args.max_queued)
 
         async def stop() -> None:
             await server.stop(grace=30)

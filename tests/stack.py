@@ -1,0 +1,97 @@
+"""Start real pdserve services as subprocesses on free 127.0.0.1 ports, and stop them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import worker_pb2, worker_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def service_env() -> dict:
+    env = dict(os.environ, UCX_NET_DEVICES="lo", UCX_WARN_UNUSED_ENV_VARS="n", PYTHONUNBUFFERED="1")
+    env.setdefault("PDSERVE_LOG_LEVEL", "WARNING")
+    return env
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"service {proc.args} exited with {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.3)
+    raise TimeoutError(f"{address} not serving after {timeout}s")
+
+
+@dataclass
+class Stack:
+    gateway: str
+    prefill: list[str]
+    decode: list[str]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def stats(self, address: str, role: str) -> worker_pb2.WorkerStats:
+        stub_cls = worker_pb2_grpc.PrefillServiceStub if role == "prefill" else worker_pb2_grpc.DecodeServiceStub
+        with grpc.insecure_channel(address) as channel:
+            return stub_cls(channel).GetStats(worker_pb2.StatsRequest(), timeout=5)
+
+    def wait_idle(self, timeout: float = 30.0) -> worker_pb2.WorkerStats:
+        """Until every worker holds no KV block for a request (cached prefix blocks are free)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = [self.stats(a, "decode") for a in self.decode] + [self.stats(a, "prefill") for a in self.prefill]
+            if all(s.kv_blocks_used == 0 and s.running == 0 and s.pending_transfers == 0 for s in stats):
+                return stats[0]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers not idle after {timeout}s: {stats}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+
+
+def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1, decode_extra: list[str] = ()) -> Stack:
+    exe = [sys.executable, "-m", "pdserve.cli"]
+    env = service_env()
+    p_port, d_port, g_port = free_port(), free_port(), free_port()
+    stack = Stack(f"127.0.0.1:{g_port}", [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"])
+    common = ["--dtype", dtype, "--threads", str(threads), "--kv-cache-memory", "128M", *extra]
+    try:
+        stack.procs.append(subprocess.Popen([*exe, "prefill", "--port", str(p_port), *common], env=env))
+        stack.procs.append(subprocess.Popen([*exe, "decode", "--port", str(d_port), *common, *decode_extra], env=env))
+        stack.procs.append(subprocess.Popen([*exe, "gateway", "--port", str(g_port), "--prefill", stack.prefill[0],
+                                             "--decode", stack.decode[0]], env=env))
+        for addr, proc in zip([*stack.prefill, *stack.decode, stack.gateway], stack.procs):
+            wait_serving(addr, proc)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
