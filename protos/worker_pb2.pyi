@@ -88,7 +88,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "model", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "block_size", "running", "waiting", "tokens_held", "prefix_hit_tokens", "requests_total", "kv_address", "max_model_len", "pending_transfers")
+    __slots__ = ("role", "model", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "block_size", "running", "waiting", "tokens_held", "prefix_hit_tokens", "requests_total", "kv_address", "max_model_len", "pending_transfers", "preemptions_total")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class WorkerStats(_message.Message):
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     PENDING_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     kv_blocks_total: int
@@ -117,4 +118,5 @@ class WorkerStats(_message.Message):
     kv_address: str
     max_model_len: int
     pending_transfers: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_held: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., kv_address: _Optional[str] = ..., max_model_len: _Optional[int] = ..., pending_transfers: _Optional[int] = ...) -> None: ...
+    preemptions_total: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_held: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., kv_address: _Optional[str] = ..., max_model_len: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., preemptions_total: _Optional[int] = ...) -> None: ...

@@ -32,7 +32,7 @@ def _other_tasks() -> list[str]:
 def receiver_main(pipe, transport_name: str, layout: dict, num_blocks: int, timeout: float) -> None:
     from kvtransfer.layout import KVLayout
     from kvtransfer.receiver import KVReceiver
-    from kvtransfer.transport import make_transport
+    from kvtransfer.transport import make_transport, shutdown_transports
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -73,6 +73,7 @@ def receiver_main(pipe, transport_name: str, layout: dict, num_blocks: int, time
                 return
 
     asyncio.run(main())
+    shutdown_transports()
 
 
 def _pump(pipe, loop, queue) -> None:

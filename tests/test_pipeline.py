@@ -151,15 +151,22 @@ async def test_bad_input_gets_its_status_and_service_keeps_serving(stack, kwargs
     stack.wait_idle()
 
 
-async def test_kv_pool_exhaustion_is_resource_exhausted():
-    """A decode worker with a 4-block pool and no admission queue refuses what it cannot hold."""
-    small = start_stack(extra=["--kv-cache-memory", "1M"], decode_extra=["--max-queued", "0"])
+async def test_small_pool_preempts_recomputes_and_refuses_overflow():
+    """A decode pool of 11 blocks and no admission queue: what fits runs (growing sequences are preempted and
+    recomputed through the prefill worker) and gives the solo-run tokens; what does not fit is RESOURCE_EXHAUSTED."""
+    small = start_stack(extra=["--kv-cache-memory", "8M"], decode_extra=["--max-queued", "0"])
     try:
+        prompt = " ".join(WORDS * 2)
+        kw = dict(prompt=prompt, max_tokens=60, ignore_eos=True, temperature=0.0)
         async with Client(small.gateway) as client:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await asyncio.gather(*(client.complete(prompt=" ".join(WORDS), max_tokens=200, ignore_eos=True,
-                                                       temperature=0.0) for _ in range(4)))
-            assert err.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
+            solo = await client.complete(**kw)
+            results = await asyncio.gather(*(client.complete(**kw) for _ in range(8)), return_exceptions=True)
+        refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        served = [r for r in results if not isinstance(r, BaseException)]
+        assert refused and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+        assert served and all(r.token_ids == solo.token_ids for r in served)
+        assert len(refused) + len(served) == 8
+        assert small.stats(small.decode[0], "decode").preemptions_total > 0
         small.wait_idle(timeout=60)
     finally:
         small.stop()
