@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-transport", default="ucx")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     counts = args.requests or [max(8, 2 * c) for c in args.concurrency]
@@ -143,7 +144,8 @@ def main() -> None:
     up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up", "--port", str(ports[0]),
                            "--prefill-port", str(ports[1]), "--decode-port", str(ports[2]), "--dtype", args.dtype,
                            "--kv-transport", args.kv_transport, "--kv-cache-memory", "1G",
-                           "--prompt", "Say hello.", "--max-num-seqs", str(max(args.concurrency))],
+                           "--prompt", "Say hello.", "--max-num-seqs", str(max(args.concurrency)),
+                           *(["--threads", str(args.threads)] if args.threads else [])],
                           stdout=subprocess.PIPE, text=True)
     rows = []
     try:

@@ -143,7 +143,7 @@ class DecodeWorker:
         req = _Request(seq, prefill_address)
         self._requests[request_id] = req
         try:
-            seq.block_ids = await self._reserve(len(prompt_ids) + 1)
+            seq.block_ids = await self._reserve(len(prompt_ids))
             result = await self._prefill(req)
             event = self._accept_prefill(req, result)
             event.cached_prompt_tokens = result.cached_tokens
@@ -270,7 +270,7 @@ class DecodeWorker:
     async def _recompute(self, req: _Request) -> None:
         seq = req.seq
         try:
-            seq.block_ids = await self._reserve(len(seq.token_ids) + 1, queue=False)
+            seq.block_ids = await self._reserve(len(seq.token_ids), queue=False)
             result = await self._prefill(req)
             event = self._accept_prefill(req, result)
             req.events.put_nowait(event)
@@ -289,7 +289,8 @@ class DecodeWorker:
             "kv_blocks_cached": 0, "block_size": self.allocator.block_size,
             "running": len(running),
             "waiting": sum(1 for r in self._requests.values() if r.seq.status is SequenceStatus.WAITING),
-            "tokens_held": sum(s.num_computed_tokens for s in running),
+            "tokens_held": sum(r.seq.num_computed_tokens if r.seq.status is SequenceStatus.RUNNING
+                               else len(r.seq.token_ids) for r in self._requests.values() if r.seq.block_ids),
             "requests_total": self.requests_total, "kv_address": self.receiver.address,
             "max_model_len": self.max_model_len, "pending_transfers": self.receiver.num_pending,
             "preemptions_total": self.preemptions_total,
