@@ -20,6 +20,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
+from engine.request_check import check_request
 from engine.sampler import SampleOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -99,16 +100,8 @@ class DecodeWorker:
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """ValueError for requests that can never run here."""
-        params.validate(self.model_config.vocab_size)
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt has token ids outside [0, {self.model_config.vocab_size})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model context is {self.max_model_len}")
-        if self.allocator.blocks_needed(len(prompt_ids) + 1) > self.allocator.num_blocks - self.watermark:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the decode KV pool holds "
-                             f"{(self.allocator.num_blocks - self.watermark) * self.allocator.block_size}")
+        check_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len,
+                      (self.allocator.num_blocks - self.watermark) * self.allocator.block_size)
 
     async def _reserve(self, num_tokens: int, queue: bool = True) -> list[int]:
         """Blocks for num_tokens, waiting (FIFO, bounded) while the pool is full."""

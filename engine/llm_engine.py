@@ -10,6 +10,7 @@ from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig
 from engine.model import LlamaForCausalLM
 from engine.model_runner import ModelRunner
+from engine.request_check import check_request
 from engine.sampler import SampleOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -37,16 +38,8 @@ class LLMEngine:
 
     def check_request(self, prompt_ids: Seq[int], params: SamplingParams) -> None:
         """Raise ValueError if this request can never run on this engine."""
-        params.validate(self.model_config.vocab_size)
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        if any(not 0 <= t < self.model_config.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt has token ids outside [0, {self.model_config.vocab_size})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model context is {self.max_model_len}")
-        if self.allocator.blocks_needed(len(prompt_ids) + 1) > self.allocator.num_blocks:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the KV pool holds "
-                             f"{self.allocator.num_blocks * self.allocator.block_size}")
+        check_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len,
+                      self.allocator.num_blocks * self.allocator.block_size)
 
     def add_request(self, prompt_ids: Seq[int], params: SamplingParams, request_id: str | None = None) -> str:
         self.check_request(prompt_ids, params)

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
+from engine.request_check import check_request
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from kvtransfer.errors import TransferError
-from kvtransfer.layout import KVLayout
+from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.sender import KVSender
 from kvtransfer.transport import make_transport
 from pdserve.wire import PrefillJob, PrefillResult
@@ -78,22 +79,15 @@ class PrefillWorker:
         self._executor.shutdown(wait=True)
 
     def check(self, job: PrefillJob) -> None:
-        job.params.validate(self.model_config.vocab_size)
         n = len(job.token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty")
+        check_request(job.token_ids, job.params, self.model_config.vocab_size, self.max_model_len,
+                      self.allocator.num_blocks * self.allocator.block_size)
         if not 0 < job.num_prompt_tokens <= n:
             raise ValueError("num_prompt_tokens must be in [1, len(token_ids)]")
-        if any(not 0 <= t < self.model_config.vocab_size for t in job.token_ids):
-            raise ValueError(f"token ids outside [0, {self.model_config.vocab_size})")
-        if n >= self.max_model_len:
-            raise ValueError(f"{n} tokens; the model context is {self.max_model_len}")
-        if self.allocator.blocks_needed(n) > self.allocator.num_blocks:
-            raise ValueError(f"{n} tokens; the prefill KV pool holds {self.allocator.num_blocks * self.allocator.block_size}")
         if len(job.block_ids) != self.allocator.blocks_needed(n):
             raise ValueError(f"KV target has {len(job.block_ids)} blocks for {n} tokens")
         if job.layout_fingerprint != self.layout.fingerprint:
-            raise ValueError(f"KV layout fingerprint {job.layout_fingerprint!r} does not match this worker's "
+            raise LayoutMismatch(f"KV layout fingerprint {job.layout_fingerprint!r} does not match this worker's "
                              f"{self.layout.fingerprint!r} ({self.layout.compatibility_fields()})")
 
     async def prefill(self, job: PrefillJob) -> PrefillResult:
