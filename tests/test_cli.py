@@ -34,3 +34,37 @@ def test_up_answers_a_prompt_and_stops_cleanly():
     answer = proc.stdout.split("pdserve is up", 1)[1].split("\n", 1)[1]
     assert answer.strip(), proc.stdout
     assert "first answer" in proc.stderr
+
+
+@pytest.mark.slow
+def test_up_with_two_workers_per_role_spreads_requests():
+    import asyncio
+    import signal
+
+    from pdserve.client import Client
+    from tests.stack import Stack
+
+    g, p0, d0 = free_port(), free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up", "--port", str(g),
+                             "--prefill-port", str(p0), "--decode-port", str(d0), "--prefill-workers", "2",
+                             "--decode-workers", "2", "--kv-cache-memory", "128M"],
+                            env=service_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("serving"):
+                break
+        stack = Stack(f"127.0.0.1:{g}", [f"127.0.0.1:{p0}", f"127.0.0.1:{p0 + 1}"],
+                      [f"127.0.0.1:{d0}", f"127.0.0.1:{d0 + 1}"])
+
+        async def run():
+            async with Client(stack.gateway) as client:
+                return await asyncio.gather(*(client.complete(prompt=f"Tell me about number {i}", max_tokens=8,
+                                                              temperature=0.0) for i in range(12)))
+
+        assert len(asyncio.run(run())) == 12
+        assert all(stack.stats(a, "decode").requests_total > 0 for a in stack.decode)
+        assert all(stack.stats(a, "prefill").requests_total > 0 for a in stack.prefill)
+        stack.wait_idle()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 0
