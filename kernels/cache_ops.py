@@ -1,4 +1,4 @@
-"""Writing into and copying out of the paged KV cache.
+"""Writing into the paged KV cache.
 
 A layer's cache is `[2, num_blocks, block_size, kv_heads, head_dim]`: index 0 holds K, 1 holds V, and token slot
 `s` lives at block `s // block_size`, offset `s % block_size`.
@@ -15,15 +15,3 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapp
     kv_layer[0].view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(kv_layer.dtype))
     kv_layer[1].view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(kv_layer.dtype))
 
-
-def pack_blocks(kv_layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Gather blocks of one layer into a contiguous `[2, n, block_size, kv_heads, head_dim]` buffer."""
-    if out is None:
-        return kv_layer.index_select(1, block_ids)
-    torch.index_select(kv_layer, 1, block_ids, out=out)
-    return out
-
-
-def unpack_blocks(packed: torch.Tensor, kv_layer: torch.Tensor, block_ids: torch.Tensor) -> None:
-    """Scatter a packed `[2, n, ...]` buffer back into the named blocks of one layer."""
-    kv_layer.index_copy_(1, block_ids, packed)

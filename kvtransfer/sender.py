@@ -137,7 +137,9 @@ class _Peer:
                 req.done.exception()
         if self.sender._peers.get(self.address) is self:
             del self.sender._peers[self.address]
-        self.sender._closing.add(asyncio.ensure_future(self.close()))
+        task = asyncio.ensure_future(self.close())
+        self.sender._closing.add(task)
+        task.add_done_callback(self.sender._closing.discard)
 
     async def drain(self, timeout: float) -> None:
         """Let the writer send what is queued plus a goodbye, then stop it."""

@@ -7,7 +7,6 @@ aborting the process. One UCX context per process, created on first use (after a
 
 from __future__ import annotations
 
-import array
 import asyncio
 import json
 import logging

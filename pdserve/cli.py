@@ -97,18 +97,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _engine_config(args: argparse.Namespace):
-    from engine.config import EngineConfig
+def _model_and_dtype(model: str, dtype: str) -> tuple[str, str]:
+    """Resolve the model directory, and 'auto' to the dtype its checkpoint was saved in."""
+    import json
+
     from engine.model_store import resolve_model
 
-    path = resolve_model(args.model)
-    dtype = args.dtype
+    path = resolve_model(model)
     if dtype == "auto":
-        import json
-
         cfg = json.loads((path / "config.json").read_text())
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return EngineConfig(model=str(path), dtype=dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+    return str(path), dtype
+
+
+def _engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+
+    path, dtype = _model_and_dtype(args.model, args.dtype)
+    return EngineConfig(model=path, dtype=dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                         num_threads=args.threads)
@@ -215,14 +221,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_local(args: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
     from gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
     from gateway.tokenizer import Tokenizer
 
-    args.block_size, args.kv_cache_memory, args.max_num_seqs = 16, 256 << 20, 8
-    args.max_num_batched_tokens, args.max_model_len, args.no_prefix_caching, args.threads = 2048, None, False, None
-    cfg = _engine_config(args)
+    path, dtype = _model_and_dtype(args.model, args.dtype)
+    cfg = EngineConfig(model=path, dtype=dtype, kv_cache_memory=256 << 20, max_num_seqs=8)
     tokenizer = Tokenizer(cfg.model)
     engine = LLMEngine(cfg)
     ids = tokenizer.encode(args.prompt) if args.raw else tokenizer.apply_chat_template(

@@ -118,10 +118,7 @@ class PrefillWorker:
         self._jobs.pop(rid, None)
         if entry.seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(entry.seq, "abort")
-
-    @property
-    def queue_length(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
+            self._wakeup.set()
 
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -131,8 +128,9 @@ class PrefillWorker:
                 await self._wakeup.wait()
                 continue
             batch = self.scheduler.schedule()
-            if not batch.seqs:
-                await asyncio.sleep(0.005)  # pool busy with transfers in flight; they free blocks soon
+            if not batch.seqs:  # the pool is held by transfers in flight: wait until one frees its blocks
+                self._wakeup.clear()
+                await self._wakeup.wait()
                 continue
             finishing = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
             sending = await self._begin_transfers(finishing)
@@ -195,6 +193,7 @@ class PrefillWorker:
             self.allocator.free(seq.block_ids)
             seq.block_ids = []
             self._jobs.pop(seq.request_id, None)
+            self._wakeup.set()
 
     async def _fail(self, seq: Sequence, error: Exception) -> None:
         entry = self._jobs.pop(seq.request_id, None)

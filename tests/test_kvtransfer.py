@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import os
 import signal
@@ -21,14 +22,7 @@ WAIT = 30.0
 
 
 def _transports() -> list[str]:
-    out = ["tcp"]
-    try:
-        import ucxx  # noqa: F401
-
-        out.insert(0, "ucx")
-    except ImportError:
-        pass
-    return out
+    return (["ucx"] if importlib.util.find_spec("ucxx") else []) + ["tcp"]
 
 
 TRANSPORTS = pytest.mark.parametrize("transport", _transports())
