@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import Sequence
 
 import grpc
 
@@ -12,6 +13,7 @@ from decode_service.worker import DecodeWorker, PoolExhausted, TokenEvent
 from engine.config import EngineConfig
 from kvtransfer.errors import TransferError
 from pdserve.grpc_server import CHANNEL_OPTIONS, start_server
+from pdserve.tracing import Tracing
 from pdserve.wire import (FINISH_REASONS, PrefillJob, PrefillResult, job_to_proto, logprob_to_proto,
                           result_from_proto, sampling_from_proto)
 from protos import worker_pb2, worker_pb2_grpc
@@ -22,15 +24,17 @@ log = logging.getLogger(__name__)
 class PrefillClients:
     """One channel per prefill worker address; turns a PrefillJob into a Prefill RPC."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
         self.timeout = timeout
+        self.interceptors = list(interceptors)
         self._stubs: dict[str, worker_pb2_grpc.PrefillServiceStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillServiceStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
+                                                interceptors=self.interceptors or None)
             self._channels.append(channel)
             stub = self._stubs[address] = worker_pb2_grpc.PrefillServiceStub(channel)
         return stub
@@ -79,12 +83,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
 
 async def serve(cfg: EngineConfig, host: str, port: int, transport: str, kv_host: str, max_queued: int = 256,
-                prefill_timeout: float = 600.0) -> tuple[grpc.aio.Server, int, DecodeWorker, PrefillClients]:
-    clients = PrefillClients(prefill_timeout)
-    worker = DecodeWorker(cfg, clients, transport=transport, host=kv_host, max_queued=max_queued)
+                prefill_timeout: float = 600.0, tracing: Tracing | None = None
+                ) -> tuple[grpc.aio.Server, int, DecodeWorker, PrefillClients]:
+    tracing = tracing or Tracing("pdserve-decode")
+    clients = PrefillClients(prefill_timeout, tracing.client_interceptors())
+    worker = DecodeWorker(cfg, clients, transport=transport, host=kv_host, max_queued=max_queued,
+                          tracer=tracing.tracer)
     await worker.start()
     server, bound, _ = await start_server(
         host, port, lambda s: worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(worker), s),
-        [worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name])
+        [worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name],
+        interceptors=tracing.server_interceptors())
     log.info("decode worker on %s:%d, KV receiver at %s", host, bound, worker.receiver.address)
     return server, bound, worker, clients

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from decode_service.metrics import DecodeMetrics
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
@@ -27,10 +32,14 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from kvtransfer.layout import KVLayout
 from kvtransfer.receiver import KVReceiver
+from kvtransfer.stats import TransferStats
 from kvtransfer.transport import make_transport
+from pdserve.logs import REQUEST_LOGGER, log_request
+from pdserve.tracing import extract, trace_id
 from pdserve.wire import PrefillJob, PrefillResult
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger(REQUEST_LOGGER)
 
 
 class PoolExhausted(RuntimeError):
@@ -54,11 +63,13 @@ class _Request:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     abort: bool = False
     recompute: asyncio.Task | None = None
+    trace_context: otel_context.Context | None = None  # the request's span, for work done on other tasks
 
 
 class DecodeWorker:
     def __init__(self, cfg: EngineConfig, call_prefill: PrefillCall, transport: str = "ucx",
-                 host: str = "127.0.0.1", max_queued: int = 256, transfer_timeout: float = 60.0) -> None:
+                 host: str = "127.0.0.1", max_queued: int = 256, transfer_timeout: float = 60.0,
+                 tracer: trace.Tracer | None = None, metrics: DecodeMetrics | None = None) -> None:
         self.runner = ModelRunner.from_config(cfg)
         self.model_config = self.runner.config
         self.model_name = self.model_config.name
@@ -70,6 +81,9 @@ class DecodeWorker:
         self.receiver = KVReceiver(self.runner.kv_cache, self.layout, make_transport(transport), host,
                                    timeout=transfer_timeout)
         self.call_prefill = call_prefill
+        self.tracer = tracer or trace.NoOpTracer()
+        self.metrics = metrics or DecodeMetrics()
+        self.metrics.bind_state(lambda: len(self.scheduler.running), self._num_waiting, self.allocator)
         self.max_queued = max_queued
         self.watermark = max(1, spec.num_blocks // 100)
         self.requests_total = 0
@@ -128,30 +142,61 @@ class DecodeWorker:
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        prefill_address: str) -> AsyncIterator[TokenEvent]:
         """Stream a request's tokens. Leaving the iterator early (cancel, error) frees everything it held."""
-        self.check(prompt_ids, params)
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already running")
-        self.requests_total += 1
-        seq = Sequence(request_id, list(prompt_ids), params)
-        req = _Request(seq, prefill_address)
-        self._requests[request_id] = req
+        t0 = time.perf_counter()
+        request_context, tid = otel_context.get_current(), trace_id()
+        with self.tracer.start_as_current_span("decode.admit") as span:
+            self.check(prompt_ids, params)
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self.requests_total += 1
+            seq = Sequence(request_id, list(prompt_ids), params)
+            req = _Request(seq, prefill_address, trace_context=request_context)
+            self._requests[request_id] = req
+            try:
+                seq.block_ids = await self._reserve(len(prompt_ids))
+            except BaseException:
+                await self._release(req)
+                raise
+            span.set_attributes({"pdserve.request_id": request_id, "pdserve.prompt_tokens": len(prompt_ids),
+                                 "pdserve.blocks": len(seq.block_ids)})
+        self.metrics.queue_time.observe(time.perf_counter() - t0)
+        stream = None
+        status, ttft, cached = "ok", None, 0
         try:
-            seq.block_ids = await self._reserve(len(prompt_ids))
-            result = await self._prefill(req)
-            event = self._accept_prefill(req, result)
-            event.cached_prompt_tokens = result.cached_tokens
+            with self.tracer.start_as_current_span("decode.first_token",
+                                                   attributes={"pdserve.prefill": prefill_address}):
+                result = await self._prefill(req)
+                event = self._accept_prefill(req, result)
+            event.cached_prompt_tokens = cached = result.cached_tokens
+            ttft = last = time.perf_counter() - t0
+            self.metrics.ttft.observe(ttft)
+            stream = self.tracer.start_span("decode.stream", context=req.trace_context)
             yield event
-            if event.finish_reason:
-                return
-            while True:
+            while not event.finish_reason:
                 event = await req.events.get()
                 if isinstance(event, BaseException):
                     raise event
+                now = time.perf_counter() - t0
+                self.metrics.itl.observe(now - last)
+                last = now
                 yield event
-                if event.finish_reason:
-                    return
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+        except BaseException as e:
+            status = "cancelled" if isinstance(e, (asyncio.CancelledError, GeneratorExit)) else "error"
+            raise
         finally:
             await self._release(req)
+            self.metrics.requests.labels(status).inc()
+            n_out = seq.num_output_tokens
+            if stream is not None:
+                stream.set_attributes({"pdserve.completion_tokens": n_out,
+                                       "pdserve.finish_reason": seq.finish_reason or status})
+                stream.end()
+            log_request(request_log, request_id=request_id, trace_id=tid,
+                        status=status, finish_reason=seq.finish_reason or "", prompt_tokens=seq.num_prompt_tokens,
+                        cached_tokens=cached, completion_tokens=n_out,
+                        ttft_s=round(ttft, 4) if ttft is not None else None,
+                        e2e_s=round(time.perf_counter() - t0, 4), prefill=prefill_address)
 
     async def _prefill(self, req: _Request) -> PrefillResult:
         """Have a prefill worker compute every token of req's sequence into its reserved blocks."""
@@ -162,15 +207,28 @@ class DecodeWorker:
                          self.receiver.address, dst, self.layout.fingerprint)
         try:
             result = await self.call_prefill(req.prefill_address, job)
-            await asyncio.wait_for(asyncio.shield(arrived), self.receiver.timeout)
+            self._transferred(await asyncio.wait_for(asyncio.shield(arrived), self.receiver.timeout))
             return result
         finally:
             self.receiver.cancel(seq.request_id)
+
+    def _transferred(self, stats: TransferStats) -> None:
+        """Count a landed transfer and record it as a span under the sender's `kv.transfer` span."""
+        self.metrics.transfer_bytes.inc(stats.nbytes)
+        self.metrics.transfer_seconds.observe(stats.seconds)
+        start = int(stats.started_at * 1e9)
+        span = self.tracer.start_span("kv.receive", context=extract(stats.trace), kind=trace.SpanKind.CONSUMER,
+                                      start_time=start, attributes={
+                                          "pdserve.request_id": stats.request_id, "kv.bytes": stats.nbytes,
+                                          "kv.layers": stats.layers, "kv.blocks": stats.blocks,
+                                          "kv.gbps": stats.gbps, "kv.transport": stats.transport})
+        span.end(end_time=start + int(stats.seconds * 1e9))
 
     def _accept_prefill(self, req: _Request, result: PrefillResult) -> TokenEvent:
         seq = req.seq
         seq.num_computed_tokens = len(seq.token_ids)
         seq.append(result.sample, self.model_config.eos_token_ids, self.max_model_len)
+        self.metrics.generation_tokens.inc()
         if seq.finish_reason is None:
             self.scheduler.add_running(seq)
             self._wakeup.set()
@@ -216,6 +274,7 @@ class DecodeWorker:
             if not batch.seqs:
                 continue
             self._in_step = {s.request_id for s in batch.seqs}
+            t0 = time.perf_counter()
             try:
                 samples = await loop.run_in_executor(self._executor, self.runner.execute, batch)
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the worker
@@ -225,6 +284,8 @@ class DecodeWorker:
                     self._deliver(seq, e)
                 continue
             self._in_step = set()
+            self.metrics.step_time.observe(time.perf_counter() - t0)
+            self.metrics.batch_size.observe(len(batch.seqs))
             self.scheduler.commit(batch)
             freed = False
             for seq, sample in zip(batch.seqs, samples):
@@ -236,6 +297,7 @@ class DecodeWorker:
                 if sample is None:
                     continue
                 seq.append(sample, self.model_config.eos_token_ids, self.max_model_len)
+                self.metrics.generation_tokens.inc()
                 req.events.put_nowait(TokenEvent(sample, seq.finish_reason))
                 if seq.finish_reason:
                     self.scheduler.finish(seq, seq.finish_reason)
@@ -255,6 +317,7 @@ class DecodeWorker:
         self.scheduler.waiting.remove(seq)
         seq.status = SequenceStatus.WAITING
         self.preemptions_total += 1
+        self.metrics.preemptions.inc()
         req = self._requests.get(seq.request_id)
         if req is None:
             return
@@ -262,17 +325,25 @@ class DecodeWorker:
 
     async def _recompute(self, req: _Request) -> None:
         seq = req.seq
+        token = otel_context.attach(req.trace_context or otel_context.Context())
         try:
-            seq.block_ids = await self._reserve(len(seq.token_ids), queue=False)
-            result = await self._prefill(req)
-            event = self._accept_prefill(req, result)
+            with self.tracer.start_as_current_span("decode.recompute",
+                                                   attributes={"pdserve.tokens": len(seq.token_ids)}):
+                seq.block_ids = await self._reserve(len(seq.token_ids), queue=False)
+                result = await self._prefill(req)
+                event = self._accept_prefill(req, result)
             req.events.put_nowait(event)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - handed to the request's stream
             req.events.put_nowait(e)
+        finally:
+            otel_context.detach(token)
 
     # ---- figures -----------------------------------------------------------------------------------------
+
+    def _num_waiting(self) -> int:
+        return sum(1 for r in self._requests.values() if r.seq.status is SequenceStatus.WAITING)
 
     def stats(self) -> dict:
         running = self.scheduler.running
@@ -280,8 +351,7 @@ class DecodeWorker:
             "role": "decode", "model": self.model_name,
             "kv_blocks_total": self.allocator.num_blocks, "kv_blocks_used": self.allocator.num_used_blocks,
             "kv_blocks_cached": 0, "block_size": self.allocator.block_size,
-            "running": len(running),
-            "waiting": sum(1 for r in self._requests.values() if r.seq.status is SequenceStatus.WAITING),
+            "running": len(running), "waiting": self._num_waiting(),
             "tokens_held": sum(r.seq.num_computed_tokens if r.seq.status is SequenceStatus.RUNNING
                                else len(r.seq.token_ids) for r in self._requests.values() if r.seq.block_ids),
             "requests_total": self.requests_total, "kv_address": self.receiver.address,

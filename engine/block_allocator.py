@@ -77,6 +77,11 @@ class BlockAllocator:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no sequence holds: free for allocation, kept for prefix hits until then."""
+        return len(self._evictable)
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import grpc
 
@@ -45,17 +46,18 @@ class WorkerHandle:
 
 
 class Router:
-    def __init__(self, prefill: list[str], decode: list[str], poll_interval: float = 1.0) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], poll_interval: float = 1.0,
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode worker address")
         self.poll_interval = poll_interval
+        self.interceptors = list(interceptors)
         self.prefill = [self._handle(a, "prefill") for a in prefill]
         self.decode = [self._handle(a, "decode") for a in decode]
         self._poller: asyncio.Task | None = None
 
-    @staticmethod
-    def _handle(address: str, role: str) -> WorkerHandle:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def _handle(self, address: str, role: str) -> WorkerHandle:
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=self.interceptors or None)
         stub = (worker_pb2_grpc.PrefillServiceStub if role == "prefill" else worker_pb2_grpc.DecodeServiceStub)(channel)
         return WorkerHandle(address, role, channel, stub)
 

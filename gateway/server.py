@@ -3,31 +3,76 @@ streams text back with stop strings applied."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from opentelemetry import trace
 
+from gateway.metrics import GatewayMetrics
 from gateway.router import NoWorkerAvailable, Router
 from gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
 from gateway.tokenizer import Tokenizer
 from pdserve.grpc_server import start_server
+from pdserve.logs import REQUEST_LOGGER, log_request
+from pdserve.tracing import Tracing, trace_id
 from protos import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger(REQUEST_LOGGER)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 MAX_STOP_STRINGS = 16
 
 
+@dataclass
+class _Outcome:
+    """What one Generate request did, filled in as it goes; read once at the end."""
+
+    request_id: str
+    start: float
+    status: str = "OK"
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: float | None = None
+    last_token: float = 0.0
+    decode: str = ""
+    prefill: str = ""
+
+    def token_sent(self, metrics: GatewayMetrics) -> None:
+        now = time.perf_counter()
+        if self.ttft is None:
+            self.ttft = now - self.start
+            metrics.ttft.observe(self.ttft)
+        else:
+            metrics.itl.observe(now - self.last_token)
+        self.last_token = now
+
+
+def _status_of(error: BaseException, context: grpc.aio.ServicerContext) -> str:
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    code = context.code()
+    if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
+        return code.name
+    return "UNKNOWN"
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer: Tokenizer, model_name: str, router: Router, max_attempts: int = 3) -> None:
+    def __init__(self, tokenizer: Tokenizer, model_name: str, router: Router, max_attempts: int = 3,
+                 tracer: trace.Tracer | None = None, metrics: GatewayMetrics | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.router = router
         self.max_attempts = max_attempts
+        self.tracer = tracer or trace.NoOpTracer()
+        self.metrics = metrics or GatewayMetrics()
 
     async def _prompt_ids(self, request, context) -> list[int]:
         if request.model and request.model != self.model_name:
@@ -55,9 +100,29 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return ids
 
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        start = time.perf_counter()
-        rid = request.request_id or uuid.uuid4().hex
-        prompt_ids = await self._prompt_ids(request, context)
+        """Stream one request, then count it, log it and close its span, however it ended."""
+        out = _Outcome(request.request_id or uuid.uuid4().hex, time.perf_counter())
+        span = trace.get_current_span()  # the gRPC server span (non-recording when tracing is off)
+        span.set_attribute("pdserve.request_id", out.request_id)
+        span.set_attribute("pdserve.model", self.model_name)
+        self.metrics.in_flight.inc()
+        try:
+            async for resp in self._generate(request, context, out):
+                yield resp
+        except BaseException as e:
+            out.status = _status_of(e, context)
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+            self._record(out, span)
+
+    async def _generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                        out: "_Outcome"):
+        rid = out.request_id
+        with self.tracer.start_as_current_span("gateway.tokenize") as span:
+            prompt_ids = await self._prompt_ids(request, context)
+            span.set_attribute("pdserve.prompt_tokens", len(prompt_ids))
+        out.prompt_tokens = len(prompt_ids)
         stops = list(request.sampling.stop)
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -71,12 +136,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         tried: set[str] = set()
         last_error: grpc.aio.AioRpcError | None = None
         for attempt in range(self.max_attempts):
-            try:
-                decode, prefill = self.router.pick(tried)
-            except NoWorkerAvailable as e:
-                if last_error is not None:  # every worker left was tried: report what the last one said
-                    await context.abort(last_error.code(), last_error.details() or last_error.code().name)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            with self.tracer.start_as_current_span("gateway.route") as span:
+                try:
+                    decode, prefill = self.router.pick(tried)
+                except NoWorkerAvailable as e:
+                    if last_error is not None:  # every worker left was tried: report what the last one said
+                        await context.abort(last_error.code(), last_error.details() or last_error.code().name)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                span.set_attributes({"pdserve.decode": decode.address, "pdserve.prefill": prefill.address,
+                                     "pdserve.attempt": attempt})
+            out.decode, out.prefill = decode.address, prefill.address
             decode.inflight += 1
             prefill.inflight += 1
             prefill_pending = True
@@ -99,15 +168,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         finish = common_pb2.FINISH_REASON_STOP
                     elif finish:
                         text += matcher.feed(detok.flush()) + matcher.flush()
-                    out = generation_pb2.GenerateResponse(request_id=rid, text=text, token_ids=resp.token_ids,
+                    msg = generation_pb2.GenerateResponse(request_id=rid, text=text, token_ids=resp.token_ids,
                                                           logprobs=resp.logprobs, finish_reason=finish)
+                    out.cached_tokens, out.completion_tokens = usage.cached_prompt_tokens, usage.completion_tokens
                     if finish:
-                        out.usage.CopyFrom(usage)
-                    yield out
+                        msg.usage.CopyFrom(usage)
+                        out.finish_reason = common_pb2.FinishReason.Name(finish).removeprefix("FINISH_REASON_").lower()
+                    out.token_sent(self.metrics)
+                    yield msg
                     if finish:
-                        log.info("request %s done: %d+%d tokens in %.3fs, finish=%s", rid, usage.prompt_tokens,
-                                 usage.completion_tokens, time.perf_counter() - start,
-                                 common_pb2.FinishReason.Name(finish))
+                        if resp.finish_reason:
+                            async for _ in call:  # the worker's stream ends here; reading its end closes the span
+                                pass
                         return
                 await context.abort(grpc.StatusCode.INTERNAL, "decode stream ended without a finish reason")
             except grpc.aio.AioRpcError as e:
@@ -115,6 +187,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if not streamed and code in RETRYABLE and attempt + 1 < self.max_attempts:
                     log.warning("request %s: %s via %s/%s (%s); retrying elsewhere", rid, code.name,
                                 decode.address, prefill.address, e.details())
+                    self.metrics.retries.inc()
                     if code == grpc.StatusCode.UNAVAILABLE:
                         culprit = prefill.address if prefill.address in (e.details() or "") else decode.address
                         self.router.mark_down(culprit)
@@ -130,6 +203,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if prefill_pending:
                     prefill.inflight -= 1
 
+    def _record(self, out: "_Outcome", span: trace.Span) -> None:
+        m = self.metrics
+        e2e = time.perf_counter() - out.start
+        m.requests.labels(out.status, out.finish_reason).inc()
+        if out.status == "OK":
+            m.e2e.observe(e2e)
+            m.prompt_tokens.inc(out.prompt_tokens)
+            m.cached_prompt_tokens.inc(out.cached_tokens)
+            m.prompt_len.observe(out.prompt_tokens)
+        m.generation_tokens.inc(out.completion_tokens)
+        span.set_attributes({"pdserve.prompt_tokens": out.prompt_tokens,
+                             "pdserve.completion_tokens": out.completion_tokens,
+                             "pdserve.cached_prompt_tokens": out.cached_tokens,
+                             "pdserve.finish_reason": out.finish_reason, "pdserve.status": out.status})
+        log_request(request_log, request_id=out.request_id, trace_id=trace_id(span), model=self.model_name,
+                    status=out.status, finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
+                    cached_tokens=out.cached_tokens, completion_tokens=out.completion_tokens,
+                    ttft_s=round(out.ttft, 4) if out.ttft is not None else None, e2e_s=round(e2e, 4),
+                    decode=out.decode, prefill=out.prefill)
+
     async def Tokenize(self, request: generation_pb2.TokenizeRequest, context) -> generation_pb2.TokenizeResponse:
         ids = await self._prompt_ids(request, context)
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
@@ -140,17 +233,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 async def serve(model_dir: Path, host: str, port: int, prefill: list[str], decode: list[str],
-                ready_timeout: float = 300.0) -> tuple[grpc.aio.Server, int, Router]:
+                ready_timeout: float = 300.0, tracing: Tracing | None = None,
+                metrics: GatewayMetrics | None = None) -> tuple[grpc.aio.Server, int, Router]:
+    tracing = tracing or Tracing("pdserve-gateway")
     tokenizer = Tokenizer(model_dir)
-    router = Router(prefill, decode)
+    router = Router(prefill, decode, interceptors=tracing.client_interceptors())
     await router.start()
     try:
         await router.wait_ready(ready_timeout)
     except NoWorkerAvailable as e:
         log.warning("%s; serving anyway (requests get UNAVAILABLE until workers answer)", e)
-    servicer = GenerationServicer(tokenizer, model_dir.name, router)
+    servicer = GenerationServicer(tokenizer, model_dir.name, router, tracer=tracing.tracer, metrics=metrics)
     server, bound, _ = await start_server(
         host, port, lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
-        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name])
+        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+        interceptors=tracing.server_interceptors())
     log.info("gateway on %s:%d (prefill %s, decode %s)", host, bound, prefill, decode)
     return server, bound, router

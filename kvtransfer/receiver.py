@@ -160,6 +160,8 @@ class KVReceiver:
                                           f"expected {exp.block_ids[:8]}..."))
             return "block ids do not match the reservation"
         exp.feeders.add(conn_id)
+        if isinstance(h.get("trace"), dict):
+            exp.stats.trace = {str(k): str(v) for k, v in h["trace"].items()}
         return None
 
     async def _on_layer(self, conn: Connection, conn_id: int, h: dict) -> str | None:
@@ -180,6 +182,7 @@ class KVReceiver:
         blocks = exp.block_ids
         if not exp.started:
             exp.started = time.perf_counter()
+            exp.stats.started_at = time.time()
         run = contiguous_run(blocks)
         if run is not None:
             await conn.recv_many([as_bytes(self.cache[layer, kv, run[0]:run[1]]) for layer in layers for kv in (0, 1)])

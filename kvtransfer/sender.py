@@ -37,7 +37,6 @@ class _Outgoing:
     done: asyncio.Future
     stats: TransferStats
     started: float = field(default_factory=time.perf_counter)
-    trace: dict = field(default_factory=dict)
 
 
 class _ByteBudget:
@@ -233,13 +232,13 @@ class KVSender:
         peer = await self._peer(address)
         req = _Outgoing(request_id, peer, list(src_block_ids), list(dst_block_ids), contiguous_run(src_block_ids),
                         self._loop.create_future(),
-                        TransferStats(request_id, self.transport.name, blocks=len(src_block_ids)),
-                        trace=trace or {})
+                        TransferStats(request_id, self.transport.name, blocks=len(src_block_ids),
+                                      started_at=time.time(), trace=dict(trace or {})))
         peer.requests[request_id] = req
         self._requests[request_id] = req
         begin = {"type": "begin", "req": request_id, "blocks": req.dst_block_ids}
-        if req.trace:
-            begin["trace"] = req.trace
+        if req.stats.trace:
+            begin["trace"] = req.stats.trace
         peer.queue.put_nowait((begin, (), 0))
 
     def send_layer(self, request_id: str, layer: int) -> None:

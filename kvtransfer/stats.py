@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 
@@ -14,6 +14,8 @@ class TransferStats:
     layers: int = 0
     blocks: int = 0
     seconds: float = 0.0
+    started_at: float = 0.0  # wall clock (time.time()) of the first byte, for spans recorded afterwards
+    trace: dict = field(default_factory=dict)  # the sender's trace context, as it came in the begin message
 
     @property
     def gbps(self) -> float:

@@ -41,6 +41,22 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", default=os.environ.get("PDSERVE_KV_TRANSPORT", "ucx"), choices=["ucx", "tcp"])
 
 
+def _observability_args(p: argparse.ArgumentParser, metrics_port: int) -> None:
+    from pdserve.tracing import TracingConfig
+
+    env = TracingConfig.from_env()
+    p.add_argument("--metrics-port", type=int, default=metrics_port,
+                   help="HTTP port of /metrics (Prometheus); -1 turns it off" +
+                        (" (up: the gateway's; workers take the next ones)" if metrics_port == 9400 else ""))
+    p.add_argument("--metrics-host", default=None, help="address /metrics binds (default: --host)")
+    p.add_argument("--otlp-endpoint", default=env.endpoint,
+                   help="OTLP trace collector, e.g. http://127.0.0.1:4318 (default $OTEL_EXPORTER_OTLP_ENDPOINT; "
+                        "unset: tracing off)")
+    p.add_argument("--otlp-protocol", default=env.protocol, choices=["http/protobuf", "grpc"])
+    p.add_argument("--trace-sample-ratio", type=float, default=env.sample_ratio,
+                   help="fraction of requests traced (parent-based)")
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -53,6 +69,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     parser.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-format", default=os.environ.get("PDSERVE_LOG_FORMAT", "text"), choices=["text", "json"],
+                        help="json: one JSON object per line (request lines carry request_id and trace_id)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start gateway + prefill + decode workers on this machine")
@@ -65,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-port", type=int, default=50071, help="first decode worker port")
     up.add_argument("--prompt", default=None, help="answer this prompt once the stack is up")
     up.add_argument("--exit-after-prompt", action="store_true", help="stop the stack after answering --prompt")
+    _observability_args(up, 9400)
 
     gw = sub.add_parser("gateway", help="the public gRPC API")
     gw.add_argument("--model", default="default")
@@ -75,17 +94,24 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--decode", default=os.environ.get("PDSERVE_DECODE", ""),
                     help="comma-separated host:port list of decode workers")
     gw.add_argument("--ready-timeout", type=float, default=600.0)
+    _observability_args(gw, 9400)
 
     for role in ("prefill", "decode"):
         w = sub.add_parser(role, help=f"a {role} worker")
         _engine_args(w)
         w.add_argument("--host", default="127.0.0.1")
         w.add_argument("--port", type=int, default=50061 if role == "prefill" else 50071)
+        _observability_args(w, 9401 if role == "prefill" else 9402)
         if role == "decode":
             w.add_argument("--kv-host", default=None,
                            help="address prefill workers use to reach this worker's KV receiver (default: --host)")
             w.add_argument("--max-queued", type=int, default=256,
                            help="requests that may wait for KV blocks before RESOURCE_EXHAUSTED")
+
+    tr = sub.add_parser("traces", help="receive OTLP/HTTP traces and print each request's span tree")
+    tr.add_argument("--host", default="127.0.0.1")
+    tr.add_argument("--port", type=int, default=4318)
+    tr.add_argument("--quiet", type=float, default=2.0, help="print a trace once it has been quiet this long (s)")
 
     gen = sub.add_parser("generate", help="stream a completion")
     gen.add_argument("prompt")
@@ -128,22 +154,42 @@ def _run(main) -> int:
     return 0
 
 
+def _tracing(args: argparse.Namespace):
+    from pdserve.tracing import Tracing, TracingConfig
+
+    config = TracingConfig(args.otlp_endpoint, args.otlp_protocol, args.trace_sample_ratio)
+    return Tracing(f"pdserve-{args.command}", config, instance=f"{args.host}:{args.port}")
+
+
+def _metrics_server(args: argparse.Namespace, registry):
+    from pdserve.metrics_server import MetricsServer
+
+    if args.metrics_port < 0:
+        return None
+    server = MetricsServer(registry, args.metrics_host or args.host, args.metrics_port).start()
+    log.info("metrics on %s", server.url)
+    return server
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from pdserve.grpc_server import serve_until_signal
 
     cfg = _engine_config(args)
 
     async def main() -> None:
+        tracing = _tracing(args)
         if args.command == "prefill":
             from prefill_service.server import serve
 
-            server, _, worker = await serve(cfg, args.host, args.port, args.kv_transport)
+            server, _, worker = await serve(cfg, args.host, args.port, args.kv_transport, tracing=tracing)
             extra = None
         else:
             from decode_service.server import serve
 
             server, _, worker, extra = await serve(cfg, args.host, args.port, args.kv_transport,
-                                                   args.kv_host or args.host, max_queued=args.max_queued)
+                                                   args.kv_host or args.host, max_queued=args.max_queued,
+                                                   tracing=tracing)
+        metrics = _metrics_server(args, worker.metrics.registry)
 
         async def stop() -> None:
             from kvtransfer.transport import shutdown_transports
@@ -153,6 +199,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
             if extra is not None:
                 await extra.close()
             shutdown_transports()
+            if metrics is not None:
+                metrics.stop()
+            tracing.shutdown()
 
         await serve_until_signal(stop)
 
@@ -169,12 +218,20 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     decode = [a for a in args.decode.split(",") if a]
 
     async def main() -> None:
-        server, _, router = await serve(path, args.host, args.port, prefill, decode, args.ready_timeout)
+        from gateway.metrics import GatewayMetrics
+
+        tracing, gateway_metrics = _tracing(args), GatewayMetrics()
+        server, _, router = await serve(path, args.host, args.port, prefill, decode, args.ready_timeout,
+                                        tracing=tracing, metrics=gateway_metrics)
+        metrics = _metrics_server(args, gateway_metrics.registry)
         print(f"pdserve gateway ready on {args.host}:{args.port}", flush=True)
 
         async def stop() -> None:
             await server.stop(grace=30)
             await router.close()
+            if metrics is not None:
+                metrics.stop()
+            tracing.shutdown()
 
         await serve_until_signal(stop)
 
@@ -211,6 +268,13 @@ async def _stream(address: str, args: argparse.Namespace, out=sys.stdout) -> int
     out.write("\n")
     if first is not None:
         print(f"[{n} tokens, first after {first - start:.2f}s, {n / (end - start):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_traces(args: argparse.Namespace) -> int:
+    from pdserve.trace_console import serve_console
+
+    serve_console(args.host, args.port, args.quiet)
     return 0
 
 
@@ -253,7 +317,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from engine.model_store import resolve_model
 
     resolve_model(args.model)  # convert the default model once, before three processes race to do it
-    exe = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level]
+    exe = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level, "--log-format", args.log_format]
     workers = args.prefill_workers + args.decode_workers
     threads = args.threads or max(1, (os.cpu_count() or 1) // workers)
     common = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size),
@@ -264,6 +328,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         common += ["--max-model-len", str(args.max_model_len)]
     if args.no_prefix_caching:
         common += ["--no-prefix-caching"]
+    observe = ["--otlp-protocol", args.otlp_protocol, "--trace-sample-ratio", str(args.trace_sample_ratio)]
+    if args.otlp_endpoint:
+        observe += ["--otlp-endpoint", args.otlp_endpoint]
+    if args.metrics_host:
+        observe += ["--metrics-host", args.metrics_host]
+    metric_ports = iter(range(args.metrics_port, args.metrics_port + 1 + workers) if args.metrics_port >= 0
+                        else [-1] * (1 + workers))
+    gateway_metrics_port = next(metric_ports)
     prefill = [f"{args.host}:{args.prefill_port + i}" for i in range(args.prefill_workers)]
     decode = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode_workers)]
     procs: list[subprocess.Popen] = []
@@ -287,15 +359,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         for role, addrs in (("prefill", prefill), ("decode", decode)):
             for addr in addrs:
                 host, port = addr.rsplit(":", 1)
-                procs.append(subprocess.Popen([*exe, role, "--host", host, "--port", port, *common]))
+                procs.append(subprocess.Popen([*exe, role, "--host", host, "--port", port, *common, *observe,
+                                               "--metrics-port", str(next(metric_ports))]))
         procs.append(subprocess.Popen([*exe, "gateway", "--model", args.model, "--host", args.host,
                                        "--port", str(args.port), "--prefill", ",".join(prefill),
-                                       "--decode", ",".join(decode)]))
+                                       "--decode", ",".join(decode), *observe,
+                                       "--metrics-port", str(gateway_metrics_port)]))
         gateway = f"{args.host}:{args.port}"
         t0 = time.perf_counter()
         asyncio.run(_wait_healthy(gateway, procs, timeout=600))
         print(f"pdserve is up: gateway {gateway}, prefill {prefill}, decode {decode} "
               f"({time.perf_counter() - t0:.1f}s)", flush=True)
+        if args.metrics_port >= 0:
+            print(f"metrics: http://{args.metrics_host or args.host}:{args.metrics_port}/metrics (gateway), "
+                  f"ports {args.metrics_port + 1}-{args.metrics_port + workers} (prefill, then decode)", flush=True)
         if args.prompt:
             ns = argparse.Namespace(prompt=args.prompt, max_tokens=256, temperature=0.0, top_p=None, seed=None,
                                     stop=[], raw=False)
@@ -335,11 +412,12 @@ async def _wait_healthy(address: str, procs: list[subprocess.Popen], timeout: fl
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdserve.logs import configure_logging
+
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s [{args.command}:%(process)d] %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format, args.command)
     handlers = {"up": cmd_up, "gateway": cmd_gateway, "prefill": cmd_worker, "decode": cmd_worker,
-                "generate": cmd_generate}
+                "generate": cmd_generate, "traces": cmd_traces}
     return handlers[args.command](args)
 
 

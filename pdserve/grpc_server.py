@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,9 +27,10 @@ def install_uvloop() -> None:
 
 
 async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], None],
-                       service_names: Iterable[str]) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+                       service_names: Iterable[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+                       ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Start a server with health (all services SERVING) and reflection; returns it and its bound port."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors) or None)
     register(server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig
@@ -24,10 +28,15 @@ from engine.sequence import Sequence, SequenceStatus
 from kvtransfer.errors import TransferError
 from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.sender import KVSender
+from kvtransfer.stats import TransferStats
 from kvtransfer.transport import make_transport
+from pdserve.logs import REQUEST_LOGGER, log_request
+from pdserve.tracing import inject, trace_id
 from pdserve.wire import PrefillJob, PrefillResult
+from prefill_service.metrics import PrefillMetrics
 
 log = logging.getLogger(__name__)
+request_log = logging.getLogger(REQUEST_LOGGER)
 
 
 class QueueFull(RuntimeError):
@@ -40,11 +49,17 @@ class _Job:
     seq: Sequence
     future: asyncio.Future
     cancelled: bool = False
+    trace_context: otel_context.Context | None = None
+    arrived_ns: int = 0  # wall clock, for spans recorded after the fact
+    first_step_ns: int = 0
+    steps: int = 0
+    transfer_span: trace.Span | None = None
 
 
 class PrefillWorker:
     def __init__(self, cfg: EngineConfig, transport: str = "ucx", max_queued: int = 1024,
-                 transfer_timeout: float = 60.0) -> None:
+                 transfer_timeout: float = 60.0, tracer: trace.Tracer | None = None,
+                 metrics: PrefillMetrics | None = None) -> None:
         self.runner = ModelRunner.from_config(cfg)
         self.model_config = self.runner.config
         self.model_name = self.model_config.name
@@ -55,6 +70,10 @@ class PrefillWorker:
         self.layout = KVLayout.of(self.runner.kv_cache, self.model_name)
         self.sender = KVSender(self.runner.kv_cache, self.layout, make_transport(transport), timeout=transfer_timeout)
         self.max_queued = max_queued
+        self.tracer = tracer or trace.NoOpTracer()
+        self.metrics = metrics or PrefillMetrics()
+        self.metrics.bind_state(lambda: len(self.scheduler.running) + len(self._finishing),
+                                lambda: len(self.scheduler.waiting), self.allocator)
         self.requests_total = 0
         self.prefill_tokens_total = 0
         self._jobs: dict[str, _Job] = {}
@@ -92,6 +111,23 @@ class PrefillWorker:
 
     async def prefill(self, job: PrefillJob) -> PrefillResult:
         """Queue, run and transfer one prompt; returns its first token. Cancelling it frees its blocks."""
+        t0, status, result = time.perf_counter(), "ok", None
+        try:
+            result = await self._prefill(job)
+            return result
+        except BaseException as e:
+            status = "cancelled" if isinstance(e, asyncio.CancelledError) else type(e).__name__
+            raise
+        finally:
+            self.metrics.requests.labels(status).inc()
+            fields = {"prompt_tokens": job.num_prompt_tokens, "tokens": len(job.token_ids)}
+            if result is not None:
+                fields.update(cached_tokens=result.cached_tokens, kv_bytes=result.transfer.get("bytes", 0),
+                              kv_gbps=round(result.transfer.get("gbps", 0.0), 3))
+            log_request(request_log, request_id=job.request_id, trace_id=trace_id(), status=status,
+                        seconds=round(time.perf_counter() - t0, 4), decode_kv=job.kv_address, **fields)
+
+    async def _prefill(self, job: PrefillJob) -> PrefillResult:
         self.check(job)
         if job.request_id in self._jobs:
             raise ValueError(f"request id {job.request_id!r} is already being prefilled")
@@ -99,7 +135,8 @@ class PrefillWorker:
             raise QueueFull(f"{len(self.scheduler.waiting)} prompts already waiting")
         self.requests_total += 1
         seq = Sequence(job.request_id, list(job.token_ids), job.params, num_prompt_tokens=job.num_prompt_tokens)
-        entry = _Job(job, seq, asyncio.get_running_loop().create_future())
+        entry = _Job(job, seq, asyncio.get_running_loop().create_future(),
+                     trace_context=otel_context.get_current(), arrived_ns=time.time_ns())
         self._jobs[job.request_id] = entry
         self.scheduler.add(seq)
         self._wakeup.set()
@@ -112,6 +149,7 @@ class PrefillWorker:
 
     async def _abort(self, entry: _Job) -> None:
         rid = entry.seq.request_id
+        self._end_transfer_span(entry, error="prefill cancelled")
         await self.sender.abort(rid, "prefill cancelled")
         if rid in self._in_step:
             return  # the loop releases it after the forward in flight
@@ -140,6 +178,7 @@ class PrefillWorker:
                 for rid in sending:
                     self.sender.send_layer(rid, layer)
 
+            step_start = time.time_ns()
             try:
                 samples = await loop.run_in_executor(self._executor, self.runner.execute, batch, push)
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the worker
@@ -149,6 +188,9 @@ class PrefillWorker:
                     await self._fail(seq, e)
                 continue
             self._in_step = set()
+            step_end = time.time_ns()
+            self.metrics.step_time.observe((step_end - step_start) / 1e9)
+            self.metrics.batch_tokens.observe(batch.num_tokens)
             self.scheduler.commit(batch)
             self.prefill_tokens_total += batch.num_tokens
             for seq, sample in zip(batch.seqs, samples):
@@ -157,6 +199,7 @@ class PrefillWorker:
                     self._jobs.pop(seq.request_id, None)
                     self.scheduler.finish(seq, "abort")
                     continue
+                self._stepped(entry, step_start, step_end, batch.num_tokens, last=sample is not None)
                 if sample is None:
                     continue
                 self.scheduler.detach(seq)
@@ -164,18 +207,56 @@ class PrefillWorker:
                 self._finishing.add(task)
                 task.add_done_callback(self._finishing.discard)
 
+    def _stepped(self, entry: _Job, start_ns: int, end_ns: int, batch_tokens: int, last: bool) -> None:
+        """Record a request's queue wait at its first step and its forward span at its last."""
+        if entry.steps == 0:
+            entry.first_step_ns = start_ns
+            self.metrics.queue_time.observe((start_ns - entry.arrived_ns) / 1e9)
+            self.tracer.start_span("prefill.queue", context=entry.trace_context,
+                                   start_time=entry.arrived_ns).end(end_time=start_ns)
+        entry.steps += 1
+        if not last:
+            return
+        seq = entry.seq
+        self.metrics.forward_time.observe((end_ns - entry.first_step_ns) / 1e9)
+        self.metrics.prompt_tokens.inc(seq.num_prompt_tokens)
+        self.metrics.prefix_hit_tokens.inc(seq.num_cached_tokens)
+        self.tracer.start_span("prefill.forward", context=entry.trace_context, start_time=entry.first_step_ns,
+                               attributes={"pdserve.prompt_tokens": seq.num_prompt_tokens,
+                                           "pdserve.cached_tokens": seq.num_cached_tokens,
+                                           "pdserve.computed_tokens": len(seq.token_ids) - seq.num_cached_tokens,
+                                           "pdserve.steps": entry.steps,
+                                           "pdserve.last_batch_tokens": batch_tokens}).end(end_time=end_ns)
+
     async def _begin_transfers(self, seqs: list[Sequence]) -> set[str]:
         started: set[str] = set()
         for seq in seqs:
             entry = self._jobs[seq.request_id]
+            entry.transfer_span = span = self.tracer.start_span(
+                "kv.transfer", context=entry.trace_context, kind=trace.SpanKind.PRODUCER,
+                attributes={"pdserve.request_id": seq.request_id, "kv.destination": entry.spec.kv_address,
+                            "kv.transport": self.sender.transport.name, "kv.blocks": len(seq.block_ids)})
             try:
-                await self.sender.begin(seq.request_id, entry.spec.kv_address, seq.block_ids, entry.spec.block_ids)
+                await self.sender.begin(seq.request_id, entry.spec.kv_address, seq.block_ids, entry.spec.block_ids,
+                                        trace=inject(span))
                 started.add(seq.request_id)
             except (TransferError, OSError, ValueError) as e:
                 log.warning("request %s: cannot reach KV target %s: %s", seq.request_id, entry.spec.kv_address, e)
+                self._end_transfer_span(entry, error=str(e))
                 if not entry.future.done():
                     entry.future.set_exception(e)
         return started
+
+    def _end_transfer_span(self, entry: _Job, stats: TransferStats | None = None, error: str | None = None) -> None:
+        span, entry.transfer_span = entry.transfer_span, None
+        if span is None:
+            return
+        if stats is not None:
+            span.set_attributes({"kv.bytes": stats.nbytes, "kv.layers": stats.layers, "kv.blocks": stats.blocks,
+                                 "kv.seconds": stats.seconds, "kv.gbps": stats.gbps})
+        if error is not None:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+        span.end()
 
     async def _complete(self, entry: _Job, sample, sent: bool) -> None:
         seq = entry.seq
@@ -183,13 +264,18 @@ class PrefillWorker:
             if not sent:
                 return
             stats = await self.sender.finish(seq.request_id)
+            self.metrics.transfer_bytes.inc(stats.nbytes)
+            self.metrics.transfer_seconds.observe(stats.seconds)
+            self._end_transfer_span(entry, stats)
             if not entry.future.done():
                 entry.future.set_result(PrefillResult(sample, seq.num_cached_tokens,
                                                       len(seq.token_ids) - seq.num_cached_tokens, stats.as_dict()))
         except Exception as e:  # noqa: BLE001 - handed to the waiting RPC
+            self._end_transfer_span(entry, error=str(e))
             if not entry.future.done():
                 entry.future.set_exception(e)
         finally:
+            self._end_transfer_span(entry, error="not sent")
             self.allocator.free(seq.block_ids)
             seq.block_ids = []
             self._jobs.pop(seq.request_id, None)
@@ -197,6 +283,8 @@ class PrefillWorker:
 
     async def _fail(self, seq: Sequence, error: Exception) -> None:
         entry = self._jobs.pop(seq.request_id, None)
+        if entry is not None:
+            self._end_transfer_span(entry, error=str(error))
         await self.sender.abort(seq.request_id, str(error))
         self.scheduler.finish(seq, "abort")
         if entry is not None and not entry.future.done():

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,7 +24,8 @@ def free_port() -> int:
 
 
 def service_env() -> dict:
-    env = dict(os.environ, UCX_NET_DEVICES="lo", UCX_WARN_UNUSED_ENV_VARS="n", PYTHONUNBUFFERED="1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(UCX_NET_DEVICES="lo", UCX_WARN_UNUSED_ENV_VARS="n", PYTHONUNBUFFERED="1")
     env.setdefault("PDSERVE_LOG_LEVEL", "WARNING")
     return env
 
@@ -49,6 +51,7 @@ class Stack:
     prefill: list[str]
     decode: list[str]
     procs: list[subprocess.Popen] = field(default_factory=list)
+    metrics: dict[str, str] = field(default_factory=dict)  # role -> /metrics URL
 
     def stats(self, address: str, role: str) -> worker_pb2.WorkerStats:
         stub_cls = worker_pb2_grpc.PrefillServiceStub if role == "prefill" else worker_pb2_grpc.DecodeServiceStub
@@ -78,17 +81,30 @@ class Stack:
                 p.wait(5)
 
 
-def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1, decode_extra: list[str] = ()) -> Stack:
+def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1, decode_extra: list[str] = (),
+                observe: list[str] = (), env: dict | None = None, log_dir: Path | None = None) -> Stack:
+    """Prefill, decode and gateway on free ports; `observe` goes to all three (e.g. --otlp-endpoint).
+    With `log_dir`, each service's stderr goes to `<role>.log` there."""
     exe = [sys.executable, "-m", "pdserve.cli"]
-    env = service_env()
+    env = {**service_env(), **(env or {})}
     p_port, d_port, g_port = free_port(), free_port(), free_port()
-    stack = Stack(f"127.0.0.1:{g_port}", [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"])
+    metric_ports = {role: free_port() for role in ("prefill", "decode", "gateway")}
+    stack = Stack(f"127.0.0.1:{g_port}", [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"],
+                  metrics={role: f"http://127.0.0.1:{port}/metrics" for role, port in metric_ports.items()})
     common = ["--dtype", dtype, "--threads", str(threads), "--kv-cache-memory", "128M", *extra]
+
+    def spawn(role: str, args: list[str]) -> None:
+        argv = [*exe, role, *args, "--metrics-port", str(metric_ports[role]), *observe]
+        if log_dir is None:
+            stack.procs.append(subprocess.Popen(argv, env=env))
+            return
+        with open(log_dir / f"{role}.log", "w") as err:
+            stack.procs.append(subprocess.Popen(argv, env=env, stderr=err))
+
     try:
-        stack.procs.append(subprocess.Popen([*exe, "prefill", "--port", str(p_port), *common], env=env))
-        stack.procs.append(subprocess.Popen([*exe, "decode", "--port", str(d_port), *common, *decode_extra], env=env))
-        stack.procs.append(subprocess.Popen([*exe, "gateway", "--port", str(g_port), "--prefill", stack.prefill[0],
-                                             "--decode", stack.decode[0]], env=env))
+        spawn("prefill", ["--port", str(p_port), *common])
+        spawn("decode", ["--port", str(d_port), *common, *decode_extra])
+        spawn("gateway", ["--port", str(g_port), "--prefill", stack.prefill[0], "--decode", stack.decode[0]])
         for addr, proc in zip([*stack.prefill, *stack.decode, stack.gateway], stack.procs):
             wait_serving(addr, proc)
     except BaseException:

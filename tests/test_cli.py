@@ -26,7 +26,7 @@ def test_up_answers_a_prompt_and_stops_cleanly():
     """What README's `make run` does, on free ports: the stack starts, answers, and every process exits."""
     ports = [str(free_port()) for _ in range(3)]
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up", "--port", ports[0],
+        [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up", "--port", ports[0], "--metrics-port", "-1",
          "--prefill-port", ports[1], "--decode-port", ports[2], "--prompt", "Say hello.", "--exit-after-prompt"],
         env=service_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,7 +47,7 @@ def test_up_with_two_workers_per_role_spreads_requests():
     g, p0, d0 = free_port(), free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up", "--port", str(g),
                              "--prefill-port", str(p0), "--decode-port", str(d0), "--prefill-workers", "2",
-                             "--decode-workers", "2", "--kv-cache-memory", "128M"],
+                             "--decode-workers", "2", "--kv-cache-memory", "128M", "--metrics-port", "-1"],
                             env=service_env(), stdout=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:

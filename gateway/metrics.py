@@ -1,0 +1,31 @@
+"""The gateway's Prometheus metrics: what a client sees (TTFT, inter-token latency, end-to-end, status)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.metrics_server import E2E_BUCKETS, ITL_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pdserve_gateway_requests", "Finished Generate requests by final gRPC status "
+                                "and finish reason.", ["status", "finish_reason"], registry=r)
+        self.in_flight = Gauge("pdserve_gateway_requests_in_flight", "Generate requests being served.", registry=r)
+        self.ttft = Histogram("pdserve_gateway_time_to_first_token_seconds", "Request arrival to first token sent.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_gateway_inter_token_latency_seconds", "Gap between consecutive tokens sent.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_gateway_e2e_request_latency_seconds", "Request arrival to last token sent.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve_gateway_prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=r)
+        self.cached_prompt_tokens = Counter("pdserve_gateway_cached_prompt_tokens",
+                                            "Prompt tokens served from a prefill worker's prefix cache.", registry=r)
+        self.generation_tokens = Counter("pdserve_gateway_generation_tokens", "Tokens generated.", registry=r)
+        self.prompt_len = Histogram("pdserve_gateway_request_prompt_tokens", "Prompt length per request.",
+                                    buckets=TOKEN_BUCKETS, registry=r)
+        self.retries = Counter("pdserve_gateway_retries", "Requests re-routed after a worker refused or failed.",
+                               registry=r)

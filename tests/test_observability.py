@@ -1,0 +1,237 @@
+"""Traces, metrics and request logs of the real services: one trace per request across three processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import urllib.request
+from collections import defaultdict
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.client import Client
+from pdserve.logs import JsonFormatter, TextFormatter, log_request
+from pdserve.tracing import Tracing, TracingConfig, inject
+from pdserve.trace_console import OTLPReceiver, format_tree
+from tests.stack import start_stack
+
+N = 3
+PROMPTS = ["The tide came in and", "Write one line about a lighthouse keeper who", "Count: one, two,"]
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(samples: dict, name: str, **labels) -> float:
+    """Sum of the samples called `name` whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= lab)
+
+
+def kv_bytes(model_dir, prompt_tokens: int, block_size: int = 16, itemsize: int = 4) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    block = block_size * cfg["num_key_value_heads"] * head_dim * itemsize
+    return cfg["num_hidden_layers"] * 2 * math.ceil(prompt_tokens / block_size) * block
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    with OTLPReceiver() as otlp:
+        stack = start_stack(observe=["--otlp-endpoint", otlp.endpoint], log_dir=logs,
+                            env={"OTEL_BSP_SCHEDULE_DELAY": "100", "PDSERVE_LOG_LEVEL": "INFO",
+                                 "PDSERVE_LOG_FORMAT": "json"})
+        try:
+            yield stack, otlp, logs
+        finally:
+            stack.stop()
+
+
+@pytest.mark.slow
+async def test_one_trace_per_request_across_three_processes(traced, model_dir):
+    stack, otlp, logs = traced
+    before = {role: scrape(url) for role, url in stack.metrics.items()}
+    async with Client(stack.gateway) as client:
+        done = await asyncio.gather(*(client.complete(prompt=p, max_tokens=6, ignore_eos=True, request_id=f"obs-{i}")
+                                      for i, p in enumerate(PROMPTS)))
+    after = {role: scrape(url) for role, url in stack.metrics.items()}
+    stack.wait_idle()
+
+    def by_request(spans):
+        ids = defaultdict(set)
+        for s in spans:
+            if "pdserve.request_id" in s.attributes:
+                ids[s.attributes["pdserve.request_id"]].add(s.trace_id)
+        return ids
+
+    wanted = {"gateway.tokenize", "gateway.route", "decode.admit", "decode.first_token", "decode.stream",
+              "prefill.queue", "prefill.forward", "kv.transfer", "kv.receive"}
+    def complete(spans, rid: str) -> bool:
+        """The request's spans are one trace whose every parent has arrived, and hold every wanted name."""
+        ids = by_request(spans)[rid]
+        tree = [s for s in spans if s.trace_id in ids]
+        have = {s.span_id for s in tree}
+        return len(ids) == 1 and wanted <= {s.name for s in tree} and all(s.parent_id in have or not s.parent_id
+                                                                          for s in tree)
+
+    spans = otlp.wait_for(lambda spans: all(complete(spans, f"obs-{i}") for i in range(N)))
+    trace_ids = {rid: ids.pop() for rid, ids in by_request(spans).items()}
+    assert len(set(trace_ids.values())) == N  # one trace per request, none shared
+
+    for i, result in enumerate(done):
+        tree = otlp.trace(trace_ids[f"obs-{i}"])
+        assert {s.service for s in tree} == {"pdserve-gateway", "pdserve-decode", "pdserve-prefill"}
+        one = {}
+        for s in tree:
+            one.setdefault((s.name, s.kind), []).append(s)
+        names = {name for name, _ in one}
+        assert wanted <= names, names
+        text = format_tree(tree)
+        print(text)
+        assert all(name in text for name in wanted) and len(text.splitlines()) == len(tree) + 1
+
+        def only(name, kind=None):
+            matches = [s for (n, k), ss in one.items() for s in ss if n == name and kind in (None, k)]
+            assert len(matches) == 1, (name, kind, matches)
+            return matches[0]
+
+        gw = only("/pdserve.v1.Generation/Generate", "SERVER")
+        to_decode = only("/pdserve.v1.DecodeService/Decode", "CLIENT")
+        decode = only("/pdserve.v1.DecodeService/Decode", "SERVER")
+        first = only("decode.first_token")
+        to_prefill = only("/pdserve.v1.PrefillService/Prefill", "CLIENT")
+        prefill = only("/pdserve.v1.PrefillService/Prefill", "SERVER")
+        send, receive = only("kv.transfer"), only("kv.receive")
+        links = [
+            (gw, None), (to_decode, gw), (decode, to_decode), (first, decode),
+            (only("gateway.tokenize"), gw), (only("gateway.route"), gw),
+            (only("decode.admit"), decode), (only("decode.stream"), decode),
+            (to_prefill, first), (prefill, to_prefill),
+            (only("prefill.queue"), prefill), (only("prefill.forward"), prefill),
+            (send, prefill), (receive, send),
+        ]
+        for span, parent in links:
+            assert span.parent_id == (parent.span_id if parent else ""), (span.name, span.service)
+        assert gw.service == to_decode.service == "pdserve-gateway"
+        assert decode.service == receive.service == "pdserve-decode"
+        assert prefill.service == send.service == "pdserve-prefill"
+
+        shipped = kv_bytes(model_dir, result.prompt_tokens)
+        assert send.attributes["kv.bytes"] == receive.attributes["kv.bytes"] == shipped
+        assert send.attributes["kv.layers"] == json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+        assert send.attributes["kv.blocks"] == math.ceil(result.prompt_tokens / 16)
+        assert send.attributes["kv.gbps"] > 0 and send.attributes["kv.transport"] == "ucx"
+        stream = only("decode.stream")
+        assert stream.attributes["pdserve.completion_tokens"] == result.completion_tokens == 6
+        assert stream.attributes["pdserve.finish_reason"] == "length"
+        assert gw.attributes["pdserve.prompt_tokens"] == result.prompt_tokens
+
+    # metrics moved by exactly these N requests
+    tokens = sum(r.completion_tokens for r in done)
+    shipped = sum(kv_bytes(model_dir, r.prompt_tokens) for r in done)
+
+    def delta(role, name, **labels):
+        return total(after[role], name, **labels) - total(before[role], name, **labels)
+
+    assert delta("gateway", "pdserve_gateway_requests_total", status="OK", finish_reason="length") == N
+    assert delta("gateway", "pdserve_gateway_time_to_first_token_seconds_count") == N
+    assert delta("gateway", "pdserve_gateway_e2e_request_latency_seconds_count") == N
+    assert delta("gateway", "pdserve_gateway_inter_token_latency_seconds_count") == tokens - N
+    assert delta("gateway", "pdserve_gateway_generation_tokens_total") == tokens
+    assert delta("gateway", "pdserve_gateway_prompt_tokens_total") == sum(r.prompt_tokens for r in done)
+    assert delta("decode", "pdserve_decode_requests_total", status="ok") == N
+    assert delta("decode", "pdserve_decode_time_to_first_token_seconds_count") == N
+    assert delta("decode", "pdserve_decode_queue_time_seconds_count") == N
+    assert delta("decode", "pdserve_decode_inter_token_latency_seconds_count") == tokens - N
+    assert delta("decode", "pdserve_decode_generation_tokens_total") == tokens
+    assert delta("decode", "pdserve_kv_transfer_received_bytes_total") == shipped
+    assert delta("prefill", "pdserve_prefill_requests_total", status="ok") == N
+    assert delta("prefill", "pdserve_prefill_queue_time_seconds_count") == N
+    assert delta("prefill", "pdserve_kv_transfer_sent_bytes_total") == shipped
+    assert delta("prefill", "pdserve_kv_transfer_seconds_count") == N
+    assert delta("prefill", "pdserve_prefill_prompt_tokens_total") == sum(r.prompt_tokens for r in done)
+    assert delta("prefill", "pdserve_prefill_batch_tokens_count") >= 1
+    idle = scrape(stack.metrics["decode"])
+    assert total(idle, "pdserve_decode_kv_blocks", state="used") == 0
+    assert total(idle, "pdserve_decode_kv_blocks", state="free") > 0
+    assert total(idle, "pdserve_decode_requests_running") == 0
+
+    # one structured line per request in every service, carrying the request's trace id
+    for role in ("gateway", "decode", "prefill"):
+        lines = [json.loads(line) for line in (logs / f"{role}.log").read_text().splitlines()
+                 if line.startswith("{")]
+        finished = {rec["request_id"]: rec for rec in lines if rec["msg"] == "request"}
+        for i in range(N):
+            rec = finished[f"obs-{i}"]
+            assert rec["trace_id"] == trace_ids[f"obs-{i}"], role
+            assert rec["service"] == role and rec["status"] in ("OK", "ok")
+
+
+@pytest.mark.slow
+async def test_failed_request_is_counted_by_status(traced):
+    stack, otlp, _ = traced
+    before = scrape(stack.metrics["gateway"])
+    async with Client(stack.gateway) as client:
+        with pytest.raises(Exception, match="unknown model"):
+            await client.complete(prompt="hi", model="no-such-model")
+    name = "pdserve_gateway_requests_total"
+    for _ in range(50):  # the server counts after the client has its answer
+        after = scrape(stack.metrics["gateway"])
+        if total(after, name) > total(before, name):
+            break
+        await asyncio.sleep(0.1)
+    assert total(after, name, status="INVALID_ARGUMENT") - total(before, name, status="INVALID_ARGUMENT") == 1
+
+
+def test_tracing_off_records_nothing_and_installs_nothing():
+    off = Tracing("pdserve-test", TracingConfig(endpoint=None))
+    assert not off.enabled
+    assert off.server_interceptors() == [] and off.client_interceptors() == []
+    with off.tracer.start_as_current_span("x") as span:
+        assert not span.is_recording()
+        assert inject() == {}
+    off.shutdown()
+
+
+def test_tracing_on_propagates_through_a_carrier():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    sender, receiver = Tracing("a", exporter=exporter), Tracing("b", exporter=exporter)
+    with sender.tracer.start_as_current_span("send") as span:
+        carrier = inject(span)
+    from pdserve.tracing import extract
+
+    receiver.tracer.start_span("receive", context=extract(carrier)).end()
+    sender.shutdown()
+    receiver.shutdown()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["receive"].parent.span_id == spans["send"].context.span_id
+    assert spans["receive"].context.trace_id == spans["send"].context.trace_id
+
+
+def test_request_log_line_formats():
+    record = logging.LogRecord("pdserve.requests", logging.INFO, __file__, 1, "request", (), None)
+    logger = logging.getLogger("pdserve.requests.test")
+    captured: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = captured.append
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        log_request(logger, request_id="r1", trace_id="ab" * 16, status="OK", e2e_s=0.5)
+    finally:
+        logger.removeHandler(handler)
+    record = captured[0]
+    as_json = json.loads(JsonFormatter("gateway").format(record))
+    assert as_json["request_id"] == "r1" and as_json["trace_id"] == "ab" * 16 and as_json["service"] == "gateway"
+    text = TextFormatter("gateway").format(record)
+    assert "request_id=r1" in text and f"trace_id={'ab' * 16}" in text and "e2e_s=0.5000" in text
