@@ -16,6 +16,7 @@ class DecodeMetrics:
         r = self.registry
         self.requests = Counter("pdserve_decode_requests", "Finished Decode requests by outcome.", ["status"],
                                 registry=r)
+        self.requests.labels("ok")  # present from the start, so rates begin at zero
         self.queue_time = Histogram("pdserve_decode_queue_time_seconds", "Arrival until KV blocks were reserved.",
                                     buckets=TTFT_BUCKETS, registry=r)
         self.ttft = Histogram("pdserve_decode_time_to_first_token_seconds",

@@ -13,6 +13,8 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter("pdserve_gateway_requests", "Finished Generate requests by final gRPC status "
                                 "and finish reason.", ["status", "finish_reason"], registry=r)
+        for reason in ("stop", "length"):  # present from the start, so rates and dashboards begin at zero
+            self.requests.labels("OK", reason)
         self.in_flight = Gauge("pdserve_gateway_requests_in_flight", "Generate requests being served.", registry=r)
         self.ttft = Histogram("pdserve_gateway_time_to_first_token_seconds", "Request arrival to first token sent.",
                               buckets=TTFT_BUCKETS, registry=r)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 
 import grpc
 
@@ -45,15 +46,35 @@ class WorkerHandle:
         return (self.stats.waiting + self.stats.running + self.inflight,)
 
 
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def resolve_ipv4(host: str, port: int) -> list[str]:
+    """Every IPv4 address a name has (a compose service with --scale N has N)."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
+    return sorted({info[4][0] for info in infos})
+
+
 class Router:
+    """Knows every worker and its polled load; picks the least loaded decode and prefill worker per request.
+
+    With `discover`, the given addresses are names: each poll resolves them and adds workers that appeared
+    (scaled up) and drops those that left once nothing is in flight on them.
+    """
+
     def __init__(self, prefill: list[str], decode: list[str], poll_interval: float = 1.0,
-                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = (), discover: bool = False,
+                 resolve: Resolver = resolve_ipv4) -> None:
         if not prefill or not decode:
             raise ValueError("need at least one prefill and one decode worker address")
         self.poll_interval = poll_interval
         self.interceptors = list(interceptors)
-        self.prefill = [self._handle(a, "prefill") for a in prefill]
-        self.decode = [self._handle(a, "decode") for a in decode]
+        self.discover = discover
+        self._resolve = resolve
+        self._names = {"prefill": list(prefill), "decode": list(decode)}
+        self.prefill = [] if discover else [self._handle(a, "prefill") for a in prefill]
+        self.decode = [] if discover else [self._handle(a, "decode") for a in decode]
+        self._leaving: set[str] = set()
         self._poller: asyncio.Task | None = None
 
     def _handle(self, address: str, role: str) -> WorkerHandle:
@@ -80,7 +101,34 @@ class Router:
             await asyncio.sleep(self.poll_interval)
             await self.poll()
 
+    async def _rediscover(self) -> None:
+        for role, names in self._names.items():
+            found: set[str] = set()
+            for name in names:
+                host, port = name.rsplit(":", 1)
+                try:
+                    found.update(f"{ip}:{port}" for ip in await self._resolve(host, int(port)))
+                except OSError as e:
+                    log.debug("cannot resolve %s: %s", name, e)
+            handles = self.prefill if role == "prefill" else self.decode
+            known = {w.address for w in handles}
+            for address in sorted(found - known):
+                log.info("discovered %s worker %s", role, address)
+                handles.append(self._handle(address, role))
+            self._leaving -= found
+            for w in [w for w in handles if w.address not in found]:
+                w.healthy = False
+                self._leaving.add(w.address)
+                if w.inflight == 0:
+                    self._leaving.discard(w.address)
+                    log.info("%s worker %s left", role, w.address)
+                    handles.remove(w)
+                    await w.channel.close()
+
     async def poll(self) -> None:
+        if self.discover:
+            await self._rediscover()
+
         async def one(w: WorkerHandle) -> None:
             try:
                 w.stats = await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=max(self.poll_interval, 1.0))
@@ -92,7 +140,7 @@ class Router:
                     log.warning("%s worker %s is down: %s", w.role, w.address, e.code().name)
                 w.healthy = False
 
-        await asyncio.gather(*(one(w) for w in self.workers))
+        await asyncio.gather(*(one(w) for w in self.workers if w.address not in self._leaving))
 
     async def wait_ready(self, timeout: float) -> None:
         """Until at least one worker of each role answers."""

@@ -234,10 +234,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 async def serve(model_dir: Path, host: str, port: int, prefill: list[str], decode: list[str],
                 ready_timeout: float = 300.0, tracing: Tracing | None = None,
-                metrics: GatewayMetrics | None = None) -> tuple[grpc.aio.Server, int, Router]:
+                metrics: GatewayMetrics | None = None, discover: bool = False) -> tuple[grpc.aio.Server, int, Router]:
     tracing = tracing or Tracing("pdserve-gateway")
     tokenizer = Tokenizer(model_dir)
-    router = Router(prefill, decode, interceptors=tracing.client_interceptors())
+    router = Router(prefill, decode, interceptors=tracing.client_interceptors(), discover=discover)
     await router.start()
     try:
         await router.wait_ready(ready_timeout)

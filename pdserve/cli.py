@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--decode", default=os.environ.get("PDSERVE_DECODE", ""),
                     help="comma-separated host:port list of decode workers")
     gw.add_argument("--ready-timeout", type=float, default=600.0)
+    gw.add_argument("--discover", action="store_true", default=os.environ.get("PDSERVE_DISCOVER") == "1",
+                    help="treat --prefill/--decode as DNS names and follow every address they resolve to "
+                         "(compose --scale, Kubernetes headless services)")
     _observability_args(gw, 9400)
 
     for role in ("prefill", "decode"):
@@ -112,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--host", default="127.0.0.1")
     tr.add_argument("--port", type=int, default=4318)
     tr.add_argument("--quiet", type=float, default=2.0, help="print a trace once it has been quiet this long (s)")
+
+    hc = sub.add_parser("health", help="exit 0 when a service answers gRPC health SERVING (container healthcheck)")
+    hc.add_argument("--address", default=os.environ.get("PDSERVE_HEALTH_ADDRESS", "127.0.0.1:50051"))
+    hc.add_argument("--timeout", type=float, default=3.0)
 
     gen = sub.add_parser("generate", help="stream a completion")
     gen.add_argument("prompt")
@@ -161,6 +168,15 @@ def _tracing(args: argparse.Namespace):
     return Tracing(f"pdserve-{args.command}", config, instance=f"{args.host}:{args.port}")
 
 
+def _routable(host: str) -> str:
+    """An address other hosts can reach: a wildcard bind address becomes this host's own address."""
+    if host in ("0.0.0.0", "::", ""):
+        import socket
+
+        return socket.gethostbyname(socket.gethostname())
+    return host
+
+
 def _metrics_server(args: argparse.Namespace, registry):
     from pdserve.metrics_server import MetricsServer
 
@@ -187,7 +203,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             from decode_service.server import serve
 
             server, _, worker, extra = await serve(cfg, args.host, args.port, args.kv_transport,
-                                                   args.kv_host or args.host, max_queued=args.max_queued,
+                                                   _routable(args.kv_host or args.host), max_queued=args.max_queued,
                                                    tracing=tracing)
         metrics = _metrics_server(args, worker.metrics.registry)
 
@@ -222,7 +238,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
         tracing, gateway_metrics = _tracing(args), GatewayMetrics()
         server, _, router = await serve(path, args.host, args.port, prefill, decode, args.ready_timeout,
-                                        tracing=tracing, metrics=gateway_metrics)
+                                        tracing=tracing, metrics=gateway_metrics, discover=args.discover)
         metrics = _metrics_server(args, gateway_metrics.registry)
         print(f"pdserve gateway ready on {args.host}:{args.port}", flush=True)
 
@@ -276,6 +292,21 @@ def cmd_traces(args: argparse.Namespace) -> int:
 
     serve_console(args.host, args.port, args.quiet)
     return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"{args.address}: {e.code().name}", file=sys.stderr)
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+    print(f"{args.address}: {name}")
+    return 0 if status.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -417,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format, args.command)
     handlers = {"up": cmd_up, "gateway": cmd_gateway, "prefill": cmd_worker, "decode": cmd_worker,
-                "generate": cmd_generate, "traces": cmd_traces}
+                "generate": cmd_generate, "traces": cmd_traces,
+                "health": cmd_health}
     return handlers[args.command](args)
 
 

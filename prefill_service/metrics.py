@@ -16,6 +16,7 @@ class PrefillMetrics:
         r = self.registry
         self.requests = Counter("pdserve_prefill_requests", "Finished Prefill requests by outcome.", ["status"],
                                 registry=r)
+        self.requests.labels("ok")  # present from the start, so rates begin at zero
         self.queue_time = Histogram("pdserve_prefill_queue_time_seconds", "Arrival until the first forward step.",
                                     buckets=TTFT_BUCKETS, registry=r)
         self.forward_time = Histogram("pdserve_prefill_forward_seconds",

@@ -50,3 +50,21 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
             out.append(tok)
             res = model(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def observed_stack(tmp_path_factory):
+    """One prefill, decode and gateway exporting traces to an OTLP receiver here, /metrics on free ports, and
+    JSON logs in files: (stack, receiver, log_dir)."""
+    from pdserve.trace_console import OTLPReceiver
+    from tests.stack import start_stack
+
+    logs = tmp_path_factory.mktemp("logs")
+    with OTLPReceiver() as otlp:
+        stack = start_stack(observe=["--otlp-endpoint", otlp.endpoint], log_dir=logs,
+                            env={"OTEL_BSP_SCHEDULE_DELAY": "100", "PDSERVE_LOG_LEVEL": "INFO",
+                                 "PDSERVE_LOG_FORMAT": "json"})
+        try:
+            yield stack, otlp, logs
+        finally:
+            stack.stop()

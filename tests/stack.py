@@ -8,13 +8,23 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from protos import worker_pb2, worker_pb2_grpc
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """A live /metrics page, parsed by Prometheus' own text parser: {(sample name, labels): value}."""
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def free_port() -> int:

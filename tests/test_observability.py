@@ -6,27 +6,18 @@ import asyncio
 import json
 import logging
 import math
-import urllib.request
 from collections import defaultdict
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.client import Client
 from pdserve.logs import JsonFormatter, TextFormatter, log_request
 from pdserve.tracing import Tracing, TracingConfig, inject
-from pdserve.trace_console import OTLPReceiver, format_tree
-from tests.stack import start_stack
+from pdserve.trace_console import format_tree
+from tests.stack import scrape
 
 N = 3
 PROMPTS = ["The tide came in and", "Write one line about a lighthouse keeper who", "Count: one, two,"]
-
-
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        text = resp.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def total(samples: dict, name: str, **labels) -> float:
@@ -42,22 +33,9 @@ def kv_bytes(model_dir, prompt_tokens: int, block_size: int = 16, itemsize: int 
     return cfg["num_hidden_layers"] * 2 * math.ceil(prompt_tokens / block_size) * block
 
 
-@pytest.fixture(scope="module")
-def traced(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    with OTLPReceiver() as otlp:
-        stack = start_stack(observe=["--otlp-endpoint", otlp.endpoint], log_dir=logs,
-                            env={"OTEL_BSP_SCHEDULE_DELAY": "100", "PDSERVE_LOG_LEVEL": "INFO",
-                                 "PDSERVE_LOG_FORMAT": "json"})
-        try:
-            yield stack, otlp, logs
-        finally:
-            stack.stop()
-
-
 @pytest.mark.slow
-async def test_one_trace_per_request_across_three_processes(traced, model_dir):
-    stack, otlp, logs = traced
+async def test_one_trace_per_request_across_three_processes(observed_stack, model_dir):
+    stack, otlp, logs = observed_stack
     before = {role: scrape(url) for role, url in stack.metrics.items()}
     async with Client(stack.gateway) as client:
         done = await asyncio.gather(*(client.complete(prompt=p, max_tokens=6, ignore_eos=True, request_id=f"obs-{i}")
@@ -176,8 +154,8 @@ async def test_one_trace_per_request_across_three_processes(traced, model_dir):
 
 
 @pytest.mark.slow
-async def test_failed_request_is_counted_by_status(traced):
-    stack, otlp, _ = traced
+async def test_failed_request_is_counted_by_status(observed_stack):
+    stack, otlp, _ = observed_stack
     before = scrape(stack.metrics["gateway"])
     async with Client(stack.gateway) as client:
         with pytest.raises(Exception, match="unknown model"):
@@ -204,8 +182,8 @@ def test_tracing_off_records_nothing_and_installs_nothing():
 def test_tracing_on_propagates_through_a_carrier():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    exporter = InMemorySpanExporter()
-    sender, receiver = Tracing("a", exporter=exporter), Tracing("b", exporter=exporter)
+    sent, received = InMemorySpanExporter(), InMemorySpanExporter()
+    sender, receiver = Tracing("a", exporter=sent), Tracing("b", exporter=received)
     with sender.tracer.start_as_current_span("send") as span:
         carrier = inject(span)
     from pdserve.tracing import extract
@@ -213,7 +191,7 @@ def test_tracing_on_propagates_through_a_carrier():
     receiver.tracer.start_span("receive", context=extract(carrier)).end()
     sender.shutdown()
     receiver.shutdown()
-    spans = {s.name: s for s in exporter.get_finished_spans()}
+    spans = {s.name: s for s in [*sent.get_finished_spans(), *received.get_finished_spans()]}
     assert spans["receive"].parent.span_id == spans["send"].context.span_id
     assert spans["receive"].context.trace_id == spans["send"].context.trace_id
 
