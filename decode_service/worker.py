@@ -71,6 +71,8 @@ class DecodeWorker:
                  host: str = "127.0.0.1", max_queued: int = 256, transfer_timeout: float = 60.0,
                  tracer: trace.Tracer | None = None, metrics: DecodeMetrics | None = None) -> None:
         self.runner = ModelRunner.from_config(cfg)
+        if self.runner.device.type != "cpu":
+            raise ValueError("the KV transfer moves host memory: run disaggregated workers with --device cpu")
         self.model_config = self.runner.config
         self.model_name = self.model_config.name
         self.max_model_len = min(cfg.max_model_len or 1 << 62, self.model_config.max_position_embeddings)

@@ -1,21 +1,35 @@
-"""The attention backend interface and the metadata every backend reads.
+"""The attention backend interface, the metadata every backend reads, and the backends.
 
 One forward serves a flattened mixed batch: prompts (or prompt chunks) of different lengths and single decode
 tokens side by side, each described by where its queries start, how long its context is, and its block table.
+Every backend reads the same cache layout, a layer's `[2, num_blocks, block_size, kv_heads, head_dim]`, so
+switching backends never copies the cache:
+
+- `torch`: plain torch (`kernels.paged_attention`), runs anywhere; the CPU path and the oracle.
+- `triton`: the Triton paged-decode kernel for single-token rows, torch SDPA for prompt rows.
+- `flash-attn`: `flash_attn_varlen_func` over the paged cache for mixed batches and `flash_attn_with_kvcache`
+  for pure decode batches (flash-attn's paged mode wants blocks of a multiple of 256 tokens).
+
+`select_backend("auto")` takes flash-attn > Triton > torch, by what the device and install support.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from kernels.cache_ops import store_kv
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import paged_attention, prefill_attention
 
 log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "flash-attn", "triton", "torch")
+FLASH_BLOCK_MULTIPLE = 256
 
 
 @dataclass
@@ -45,10 +59,115 @@ class TorchAttention:
         return paged_attention(q, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
 
 
-def select_backend(name: str = "auto", device: torch.device | None = None) -> AttentionBackend:
-    """Pick the attention backend; 'auto' takes the best one this device supports."""
-    if name not in ("auto", "torch"):
-        raise ValueError(f"attention backend {name!r} is not available (have: auto, torch)")
-    backend = TorchAttention()
-    log.info("attention backend: %s", backend.name)
+class _StepTensors:
+    """Per-forward device tensors derived from the metadata, built once and shared by every layer."""
+
+    def __init__(self) -> None:
+        self._meta: AttentionMetadata | None = None
+        self.decode_rows: list[int] = []
+        self.prefill_rows: list[int] = []
+        self.decode_tokens: torch.Tensor | None = None
+        self.decode_lens: torch.Tensor | None = None
+        self.decode_tables: torch.Tensor | None = None
+        self.seq_lens: torch.Tensor | None = None
+        self.cu_q: torch.Tensor | None = None
+        self.cu_k: torch.Tensor | None = None
+
+    def update(self, meta: AttentionMetadata, device: torch.device) -> "_StepTensors":
+        if meta is self._meta:
+            return self
+        self._meta = meta
+        qsl = meta.query_start_loc
+        n = len(meta.seq_lens)
+        self.decode_rows = [i for i in range(n) if qsl[i + 1] - qsl[i] == 1]
+        self.prefill_rows = [i for i in range(n) if qsl[i + 1] - qsl[i] > 1]
+        rows = self.decode_rows
+        self.decode_tokens = torch.tensor([qsl[i] for i in rows], dtype=torch.long, device=device)
+        self.decode_lens = torch.tensor([meta.seq_lens[i] for i in rows], dtype=torch.int32, device=device)
+        self.decode_tables = meta.block_tables[rows].to(torch.int32)
+        self.seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32, device=device)
+        self.cu_q = torch.tensor(qsl, dtype=torch.int32, device=device)
+        self.cu_k = torch.nn.functional.pad(self.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return self
+
+
+class TritonAttention:
+    """Triton paged decode for single-token rows; prompt rows go through torch SDPA on the gathered context."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kernels.triton_paged_attention import paged_decode_attention
+
+        self._decode = paged_decode_attention
+        self._step = _StepTensors()
+
+    def __call__(self, q, k, v, kv_layer, meta, scale):
+        store_kv(k, v, kv_layer, meta.slot_mapping)
+        step = self._step.update(meta, q.device)
+        out = torch.empty_like(q)
+        prefill_attention(q, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, step.prefill_rows,
+                          scale, out)
+        if step.decode_rows:
+            out[step.decode_tokens] = self._decode(q[step.decode_tokens], kv_layer[0], kv_layer[1],
+                                                   step.decode_tables, step.decode_lens, scale)
+        return out
+
+
+class FlashAttention:
+    """flash-attn over the paged cache: varlen for batches with prompt rows, with_kvcache for pure decode."""
+
+    name = "flash-attn"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+        self._step = _StepTensors()
+
+    def __call__(self, q, k, v, kv_layer, meta, scale):
+        store_kv(k, v, kv_layer, meta.slot_mapping)
+        step = self._step.update(meta, q.device)
+        tables = meta.block_tables.to(torch.int32)
+        if not step.prefill_rows:  # every row is one token: [B, 1, H, D] against the paged cache
+            out = self._with_kvcache(q[:, None], kv_layer[0], kv_layer[1], cache_seqlens=step.seq_lens,
+                                     block_table=tables, softmax_scale=scale, causal=True)
+            return out[:, 0]
+        return self._varlen(q, kv_layer[0], kv_layer[1], step.cu_q, step.cu_k, max(
+            b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:])), max(meta.seq_lens),
+            softmax_scale=scale, causal=True, block_table=tables)
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def available_backends(device: torch.device, block_size: int) -> list[str]:
+    """Backends that can run here, best first."""
+    have = []
+    if device.type == "cuda" and _has("flash_attn") and block_size % FLASH_BLOCK_MULTIPLE == 0:
+        have.append("flash-attn")
+    if _has("triton") and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        have.append("triton")
+    have.append("torch")
+    return have
+
+
+def select_backend(name: str = "auto", device: torch.device | None = None, block_size: int = 16) -> AttentionBackend:
+    """Pick the attention backend; 'auto' takes the best one this device supports. Logs the choice."""
+    device = device or torch.device("cpu")
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r}: choose from {', '.join(BACKENDS)}")
+    have = available_backends(device, block_size)
+    if name == "auto":
+        # On CPU the Triton interpreter is a test vehicle, never a speed-up: auto keeps torch there.
+        name = have[0] if device.type == "cuda" else "torch"
+    elif name not in have:
+        why = {"flash-attn": f"needs CUDA, the flash-attn package and a block size that is a multiple of "
+                             f"{FLASH_BLOCK_MULTIPLE} (have {device.type}, block size {block_size})",
+               "triton": "needs the triton package and CUDA (or TRITON_INTERPRET=1 on CPU)"}[name]
+        raise ValueError(f"attention backend {name!r} is not available here: it {why}")
+    backend = {"flash-attn": FlashAttention, "triton": TritonAttention, "torch": TorchAttention}[name]()
+    log.info("attention backend: %s (available here: %s)", backend.name, ", ".join(have))
     return backend

@@ -95,5 +95,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto, flash-attn, triton, torch
+    device: str = "cpu"  # cpu, cuda, cuda:N, or auto (cuda when present)
     num_threads: int | None = None

@@ -41,7 +41,7 @@ class ModelRunner:
         self.spec = spec
         self.device = torch.device(device)
         self.kv_cache = spec.allocate(self.device)
-        self.backend = select_backend(attention_backend, self.device)
+        self.backend = select_backend(attention_backend, self.device, spec.block_size)
         self.sampler = Sampler(self.config.vocab_size, self.config.eos_token_ids)
 
     @classmethod
@@ -51,10 +51,13 @@ class ModelRunner:
         dtype = parse_dtype(cfg.dtype)
         if model is None:
             model = load_model(resolve_model(cfg.model), dtype)
+        device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                              "cpu" if cfg.device == "auto" else cfg.device)
+        model = model.to(device)
         spec = KVCacheSpec.for_model(model.config, dtype, cfg.block_size, cfg.kv_cache_memory, cfg.num_blocks)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", spec.num_blocks, spec.block_size,
                  spec.num_blocks * spec.bytes_per_block / 2**20)
-        return cls(model, spec, cfg.attention_backend)
+        return cls(model, spec, cfg.attention_backend, device)
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
         bs = self.spec.block_size

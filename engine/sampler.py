@@ -77,6 +77,7 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         if all(p.greedy and not p.has_penalties and p.logprobs is None and p.min_tokens == 0 for p in params):
             return [SampleOutput(int(t)) for t in logits.argmax(-1).tolist()]
+        logits = logits.float().cpu()  # seeded draws use CPU generators: the same tokens on every device
         return [self._sample_row(logits[i], params[i], prompt_ids[i], output_ids[i]) for i in range(len(params))]
 
     def _sample_row(self, raw: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],

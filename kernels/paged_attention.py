@@ -37,15 +37,22 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q `[T, H, D]` -> `[T, H, D]`; `query_start_loc` has B+1 offsets into T, `seq_lens` B context lengths."""
-    k_cache, v_cache = kv_layer[0], kv_layer[1]
     out = torch.empty_like(q)
-    decode_rows: list[int] = []
-    for i, length in enumerate(seq_lens):
+    decode_rows = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] == 1]
+    prefill_rows = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] > 1]
+    prefill_attention(q, kv_layer, query_start_loc, seq_lens, block_tables, prefill_rows, scale, out)
+    if decode_rows:
+        _decode_batch(q, kv_layer[0], kv_layer[1], query_start_loc, seq_lens, block_tables, decode_rows, scale, out)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                      block_tables: torch.Tensor, rows: list[int], scale: float, out: torch.Tensor) -> None:
+    """Causal attention of the multi-token rows (prompts or prompt chunks), one at a time, into `out`."""
+    k_cache, v_cache = kv_layer[0], kv_layer[1]
+    for i in rows:
         start, end = query_start_loc[i], query_start_loc[i + 1]
-        q_len = end - start
-        if q_len == 1:
-            decode_rows.append(i)
-            continue
+        q_len, length = end - start, seq_lens[i]
         k = gather_context(k_cache, block_tables[i], length).transpose(0, 1)[None]
         v = gather_context(v_cache, block_tables[i], length).transpose(0, 1)[None]
         qi = q[start:end].transpose(0, 1)[None]
@@ -53,29 +60,26 @@ def paged_attention(
             o = _sdpa(qi, k, v, None, True, scale)
         else:
             offset = length - q_len
-            rows = torch.arange(q_len)[:, None] + offset
-            mask = torch.arange(length)[None, :] <= rows
+            rows_pos = torch.arange(q_len, device=q.device)[:, None] + offset
+            mask = torch.arange(length, device=q.device)[None, :] <= rows_pos
             o = _sdpa(qi, k, v, mask, False, scale)
         out[start:end] = o[0].transpose(0, 1)
-    if decode_rows:
-        _decode_batch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, decode_rows, scale, out)
-    return out
 
 
 def _decode_batch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, rows, scale, out) -> None:
     """One padded batched attention for all single-token rows; GQA by grouping query heads (no K/V repeat)."""
     block_size, kv_heads, dim = k_cache.shape[1:]
-    lengths = torch.tensor([seq_lens[i] for i in rows])
+    lengths = torch.tensor([seq_lens[i] for i in rows], device=q.device)
     max_len = int(lengths.max())
     n_blocks = (max_len + block_size - 1) // block_size
     table = block_tables[rows, :n_blocks]
     b = len(rows)
     k = k_cache[table].view(b, -1, kv_heads, dim)[:, :max_len].permute(0, 2, 3, 1)  # [B, KVH, D, L]
     v = v_cache[table].view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
-    token_idx = torch.tensor([query_start_loc[i] for i in rows])
+    token_idx = torch.tensor([query_start_loc[i] for i in rows], device=q.device)
     qd = q[token_idx].view(b, kv_heads, -1, dim)  # [B, KVH, G, D]
     scores = torch.matmul(qd, k).float() * scale
-    pad = torch.arange(max_len)[None, :] >= lengths[:, None]
+    pad = torch.arange(max_len, device=q.device)[None, :] >= lengths[:, None]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = scores.softmax(-1).to(v.dtype)
     out[token_idx] = torch.matmul(probs, v).view(b, -1, dim)

@@ -38,6 +38,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch threads for this worker")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash-attn", "triton", "torch"],
+                   help="auto: flash-attn > triton > torch, by what the device supports (logged at start-up)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto; the KV transfer moves host memory, so "
+                                                   "disaggregated workers run on cpu")
     p.add_argument("--kv-transport", default=os.environ.get("PDSERVE_KV_TRANSPORT", "ucx"), choices=["ucx", "tcp"])
 
 
@@ -126,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--local", action="store_true", help="run the engine in this process, no services")
     gen.add_argument("--model", default="default")
     gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--device", default="cpu", help="with --local: cpu, cuda[:N] or auto")
     _sampling_args(gen)
     return parser
 
@@ -150,7 +155,7 @@ def _engine_config(args: argparse.Namespace):
     return EngineConfig(model=path, dtype=dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                        num_threads=args.threads)
+                        num_threads=args.threads, attention_backend=args.attention_backend, device=args.device)
 
 
 def _run(main) -> int:
@@ -323,7 +328,7 @@ def _generate_local(args: argparse.Namespace) -> int:
     from gateway.tokenizer import Tokenizer
 
     path, dtype = _model_and_dtype(args.model, args.dtype)
-    cfg = EngineConfig(model=path, dtype=dtype, kv_cache_memory=256 << 20, max_num_seqs=8)
+    cfg = EngineConfig(model=path, dtype=dtype, kv_cache_memory=256 << 20, max_num_seqs=8, device=args.device)
     tokenizer = Tokenizer(cfg.model)
     engine = LLMEngine(cfg)
     ids = tokenizer.encode(args.prompt) if args.raw else tokenizer.apply_chat_template(
@@ -359,6 +364,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         common += ["--max-model-len", str(args.max_model_len)]
     if args.no_prefix_caching:
         common += ["--no-prefix-caching"]
+    common += ["--attention-backend", args.attention_backend, "--device", args.device]
     observe = ["--otlp-protocol", args.otlp_protocol, "--trace-sample-ratio", str(args.trace_sample_ratio)]
     if args.otlp_endpoint:
         observe += ["--otlp-endpoint", args.otlp_endpoint]
