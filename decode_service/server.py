@@ -9,6 +9,7 @@ from typing import Sequence
 
 import grpc
 
+from decode_service.colocated_worker import ColocatedWorker
 from decode_service.worker import DecodeWorker, PoolExhausted, TokenEvent
 from engine.config import EngineConfig
 from kvtransfer.errors import TransferError
@@ -56,13 +57,16 @@ def _response(event: TokenEvent, with_logprobs: bool) -> worker_pb2.DecodeRespon
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, worker: DecodeWorker) -> None:
+    """Serves a DecodeWorker (which pulls KV from prefill workers) or a ColocatedWorker (which prefills itself)."""
+
+    def __init__(self, worker: DecodeWorker | ColocatedWorker) -> None:
         self.worker = worker
+        self.needs_prefill = isinstance(worker, DecodeWorker)
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or uuid.uuid4().hex
         params = sampling_from_proto(request.sampling)
-        if not request.prefill_address:
+        if self.needs_prefill and not request.prefill_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_address is required")
         try:
             async for event in self.worker.generate(rid, list(request.prompt_token_ids), params,
@@ -96,3 +100,17 @@ async def serve(cfg: EngineConfig, host: str, port: int, transport: str, kv_host
         interceptors=tracing.server_interceptors())
     log.info("decode worker on %s:%d, KV receiver at %s", host, bound, worker.receiver.address)
     return server, bound, worker, clients
+
+
+async def serve_colocated(cfg: EngineConfig, host: str, port: int, max_queued: int = 256,
+                          tracing: Tracing | None = None) -> tuple[grpc.aio.Server, int, ColocatedWorker]:
+    """A worker that prefills and decodes itself, behind the same DecodeService."""
+    tracing = tracing or Tracing("pdserve-colocated")
+    worker = ColocatedWorker(cfg, max_queued=max_queued, tracer=tracing.tracer)
+    await worker.start()
+    server, bound, _ = await start_server(
+        host, port, lambda s: worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(worker), s),
+        [worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name],
+        interceptors=tracing.server_interceptors())
+    log.info("colocated worker on %s:%d", host, bound)
+    return server, bound, worker

@@ -65,8 +65,9 @@ class Router:
     def __init__(self, prefill: list[str], decode: list[str], poll_interval: float = 1.0,
                  interceptors: Sequence[grpc.aio.ClientInterceptor] = (), discover: bool = False,
                  resolve: Resolver = resolve_ipv4) -> None:
-        if not prefill or not decode:
-            raise ValueError("need at least one prefill and one decode worker address")
+        if not decode:
+            raise ValueError("need at least one decode worker address (and prefill workers, unless the decode "
+                             "workers are colocated)")
         self.poll_interval = poll_interval
         self.interceptors = list(interceptors)
         self.discover = discover
@@ -146,19 +147,26 @@ class Router:
         """Until at least one worker of each role answers."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while not (any(w.healthy for w in self.prefill) and any(w.healthy for w in self.decode)):
+        while not ((self.colocated or any(w.healthy for w in self.prefill)) and any(w.healthy for w in self.decode)):
             if loop.time() > deadline:
                 raise NoWorkerAvailable("no healthy prefill and decode workers within "
                                         f"{timeout:.0f}s: {[w.address for w in self.workers]}")
             await asyncio.sleep(0.2)
             await self.poll()
 
-    def pick(self, exclude: set[str] = frozenset()) -> tuple[WorkerHandle, WorkerHandle]:
+    @property
+    def colocated(self) -> bool:
+        """No prefill workers configured: the decode workers prefill themselves."""
+        return not self._names["prefill"]
+
+    def pick(self, exclude: set[str] = frozenset()) -> tuple[WorkerHandle, WorkerHandle | None]:
+        """The least loaded decode worker and prefill worker (None when colocated)."""
         decode = [w for w in self.decode if w.healthy and w.address not in exclude]
         prefill = [w for w in self.prefill if w.healthy and w.address not in exclude]
-        if not decode or not prefill:
+        if not decode or not (prefill or self.colocated):
             raise NoWorkerAvailable("no healthy " + ("decode" if not decode else "prefill") + " worker")
-        return min(decode, key=lambda w: w.decode_score), min(prefill, key=lambda w: w.prefill_score)
+        return (min(decode, key=lambda w: w.decode_score),
+                min(prefill, key=lambda w: w.prefill_score) if prefill else None)
 
     def mark_down(self, address: str) -> None:
         for w in self.workers:

@@ -89,6 +89,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     [{"role": m.role, "content": m.content} for m in request.chat.messages])
             except Exception as e:  # noqa: BLE001 - template errors are the caller's input
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chat template failed: {e}")
+        elif kind == "token_ids":
+            ids = list(request.token_ids.ids)
         else:
             ids = []
         if not ids:
@@ -143,15 +145,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if last_error is not None:  # every worker left was tried: report what the last one said
                         await context.abort(last_error.code(), last_error.details() or last_error.code().name)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-                span.set_attributes({"pdserve.decode": decode.address, "pdserve.prefill": prefill.address,
+                prefill_address = prefill.address if prefill else ""
+                span.set_attributes({"pdserve.decode": decode.address, "pdserve.prefill": prefill_address,
                                      "pdserve.attempt": attempt})
-            out.decode, out.prefill = decode.address, prefill.address
+            out.decode, out.prefill = decode.address, prefill_address
             decode.inflight += 1
-            prefill.inflight += 1
-            prefill_pending = True
+            prefill_pending = prefill is not None
+            if prefill_pending:
+                prefill.inflight += 1
             call = decode.stub.Decode(
                 worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids, sampling=sampling,
-                                         prefill_address=prefill.address),
+                                         prefill_address=prefill_address),
                 timeout=context.time_remaining())
             streamed = False
             try:
@@ -186,10 +190,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 code = e.code()
                 if not streamed and code in RETRYABLE and attempt + 1 < self.max_attempts:
                     log.warning("request %s: %s via %s/%s (%s); retrying elsewhere", rid, code.name,
-                                decode.address, prefill.address, e.details())
+                                decode.address, prefill_address, e.details())
                     self.metrics.retries.inc()
                     if code == grpc.StatusCode.UNAVAILABLE:
-                        culprit = prefill.address if prefill.address in (e.details() or "") else decode.address
+                        culprit = (prefill_address if prefill_address and prefill_address in (e.details() or "")
+                                   else decode.address)
                         self.router.mark_down(culprit)
                         tried.add(culprit)
                     else:

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="the gateway's gRPC port")
     up.add_argument("--prefill-workers", type=int, default=1)
     up.add_argument("--decode-workers", type=int, default=1)
+    up.add_argument("--colocated", action="store_true",
+                    help="no disaggregation: --decode-workers workers that each prefill and decode themselves")
     up.add_argument("--prefill-port", type=int, default=50061, help="first prefill worker port")
     up.add_argument("--decode-port", type=int, default=50071, help="first decode worker port")
     up.add_argument("--prompt", default=None, help="answer this prompt once the stack is up")
@@ -103,8 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "(compose --scale, Kubernetes headless services)")
     _observability_args(gw, 9400)
 
-    for role in ("prefill", "decode"):
-        w = sub.add_parser(role, help=f"a {role} worker")
+    roles = {"prefill": "a prefill worker", "decode": "a decode worker",
+             "colocated": "a worker that prefills and decodes itself (no KV transfer; the gateway treats it as a "
+                          "decode worker and needs no --prefill)"}
+    for role, text in roles.items():
+        w = sub.add_parser(role, help=text)
         _engine_args(w)
         w.add_argument("--host", default="127.0.0.1")
         w.add_argument("--port", type=int, default=50061 if role == "prefill" else 50071)
@@ -112,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         if role == "decode":
             w.add_argument("--kv-host", default=None,
                            help="address prefill workers use to reach this worker's KV receiver (default: --host)")
+        if role != "prefill":
             w.add_argument("--max-queued", type=int, default=256,
                            help="requests that may wait for KV blocks before RESOURCE_EXHAUSTED")
 
@@ -199,11 +205,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         tracing = _tracing(args)
+        extra = None
         if args.command == "prefill":
             from prefill_service.server import serve
 
             server, _, worker = await serve(cfg, args.host, args.port, args.kv_transport, tracing=tracing)
-            extra = None
+        elif args.command == "colocated":
+            from decode_service.server import serve_colocated
+
+            server, _, worker = await serve_colocated(cfg, args.host, args.port, args.max_queued, tracing=tracing)
         else:
             from decode_service.server import serve
 
@@ -354,6 +364,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     resolve_model(args.model)  # convert the default model once, before three processes race to do it
     exe = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level, "--log-format", args.log_format]
+    if args.colocated:
+        args.prefill_workers = 0
     workers = args.prefill_workers + args.decode_workers
     threads = args.threads or max(1, (os.cpu_count() or 1) // workers)
     common = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size),
@@ -393,7 +405,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(0)))
     try:
-        for role, addrs in (("prefill", prefill), ("decode", decode)):
+        for role, addrs in (("prefill", prefill), ("colocated" if args.colocated else "decode", decode)):
             for addr in addrs:
                 host, port = addr.rsplit(":", 1)
                 procs.append(subprocess.Popen([*exe, role, "--host", host, "--port", port, *common, *observe,
@@ -455,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format, args.command)
     handlers = {"up": cmd_up, "gateway": cmd_gateway, "prefill": cmd_worker, "decode": cmd_worker,
                 "generate": cmd_generate, "traces": cmd_traces,
-                "health": cmd_health}
+                "health": cmd_health, "colocated": cmd_worker}
     return handlers[args.command](args)
 
 

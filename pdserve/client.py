@@ -23,14 +23,17 @@ class Completion:
 
 
 def build_request(prompt: str | None = None, messages: Sequence[dict] | None = None, model: str = "",
-                  request_id: str = "", **sampling) -> generation_pb2.GenerateRequest:
+                  request_id: str = "", prompt_token_ids: Sequence[int] | None = None,
+                  **sampling) -> generation_pb2.GenerateRequest:
     """`sampling` takes the SamplingParams fields: max_tokens, temperature, top_p, seed, stop, ..."""
-    if (prompt is None) == (messages is None):
-        raise ValueError("give exactly one of prompt or messages")
+    if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
+        raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
     req = generation_pb2.GenerateRequest(model=model, request_id=request_id,
                                          sampling=common_pb2.SamplingParams(**sampling))
     if prompt is not None:
         req.prompt = prompt
+    elif prompt_token_ids is not None:
+        req.token_ids.ids.extend(prompt_token_ids)
     else:
         req.chat.messages.extend(generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
     return req

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\npdserve.v1\x1a\x13protos/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"1\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x9f\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x07\n\x05input\"\xc6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\"]\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xe9\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17protos/generation.proto\x12\npdserve.v1\x1a\x13protos/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"1\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xca\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x12)\n\ttoken_ids\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x07\n\x05input\"\xc6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\"]\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x03 \x01(\x0b\x32\x10.pdserve.v1.ChatH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xe9\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,20 +36,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_end=104
   _globals['_CHAT']._serialized_start=106
   _globals['_CHAT']._serialized_end=155
-  _globals['_GENERATEREQUEST']._serialized_start=158
-  _globals['_GENERATEREQUEST']._serialized_end=317
-  _globals['_GENERATERESPONSE']._serialized_start=320
-  _globals['_GENERATERESPONSE']._serialized_end=518
-  _globals['_TOKENIZEREQUEST']._serialized_start=520
-  _globals['_TOKENIZEREQUEST']._serialized_end=613
-  _globals['_TOKENIZERESPONSE']._serialized_start=615
-  _globals['_TOKENIZERESPONSE']._serialized_end=668
-  _globals['_LISTMODELSREQUEST']._serialized_start=670
-  _globals['_LISTMODELSREQUEST']._serialized_end=689
-  _globals['_MODELINFO']._serialized_start=691
-  _globals['_MODELINFO']._serialized_end=737
-  _globals['_LISTMODELSRESPONSE']._serialized_start=739
-  _globals['_LISTMODELSRESPONSE']._serialized_end=798
-  _globals['_GENERATION']._serialized_start=801
-  _globals['_GENERATION']._serialized_end=1034
+  _globals['_TOKENIDS']._serialized_start=157
+  _globals['_TOKENIDS']._serialized_end=180
+  _globals['_GENERATEREQUEST']._serialized_start=183
+  _globals['_GENERATEREQUEST']._serialized_end=385
+  _globals['_GENERATERESPONSE']._serialized_start=388
+  _globals['_GENERATERESPONSE']._serialized_end=586
+  _globals['_TOKENIZEREQUEST']._serialized_start=588
+  _globals['_TOKENIZEREQUEST']._serialized_end=681
+  _globals['_TOKENIZERESPONSE']._serialized_start=683
+  _globals['_TOKENIZERESPONSE']._serialized_end=736
+  _globals['_LISTMODELSREQUEST']._serialized_start=738
+  _globals['_LISTMODELSREQUEST']._serialized_end=757
+  _globals['_MODELINFO']._serialized_start=759
+  _globals['_MODELINFO']._serialized_end=805
+  _globals['_LISTMODELSRESPONSE']._serialized_start=807
+  _globals['_LISTMODELSRESPONSE']._serialized_end=866
+  _globals['_GENERATION']._serialized_start=869
+  _globals['_GENERATION']._serialized_end=1102
 # @@protoc_insertion_point(module_scope)

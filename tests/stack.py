@@ -92,19 +92,21 @@ class Stack:
 
 
 def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1, decode_extra: list[str] = (),
-                observe: list[str] = (), env: dict | None = None, log_dir: Path | None = None) -> Stack:
+                observe: list[str] = (), env: dict | None = None, log_dir: Path | None = None,
+                colocated: bool = False) -> Stack:
     """Prefill, decode and gateway on free ports; `observe` goes to all three (e.g. --otlp-endpoint).
     With `log_dir`, each service's stderr goes to `<role>.log` there."""
     exe = [sys.executable, "-m", "pdserve.cli"]
     env = {**service_env(), **(env or {})}
     p_port, d_port, g_port = free_port(), free_port(), free_port()
     metric_ports = {role: free_port() for role in ("prefill", "decode", "gateway")}
-    stack = Stack(f"127.0.0.1:{g_port}", [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"],
+    stack = Stack(f"127.0.0.1:{g_port}", [] if colocated else [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"],
                   metrics={role: f"http://127.0.0.1:{port}/metrics" for role, port in metric_ports.items()})
     common = ["--dtype", dtype, "--threads", str(threads), "--kv-cache-memory", "128M", *extra]
 
     def spawn(role: str, args: list[str]) -> None:
-        argv = [*exe, role, *args, "--metrics-port", str(metric_ports[role]), *observe]
+        argv = [*exe, role, *args, "--metrics-port", str(metric_ports["decode" if role == "colocated" else role]),
+                *observe]
         if log_dir is None:
             stack.procs.append(subprocess.Popen(argv, env=env))
             return
@@ -112,9 +114,12 @@ def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1,
             stack.procs.append(subprocess.Popen(argv, env=env, stderr=err))
 
     try:
-        spawn("prefill", ["--port", str(p_port), *common])
-        spawn("decode", ["--port", str(d_port), *common, *decode_extra])
-        spawn("gateway", ["--port", str(g_port), "--prefill", stack.prefill[0], "--decode", stack.decode[0]])
+        if colocated:
+            spawn("colocated", ["--port", str(d_port), *common, *decode_extra])
+        else:
+            spawn("prefill", ["--port", str(p_port), *common])
+            spawn("decode", ["--port", str(d_port), *common, *decode_extra])
+        spawn("gateway", ["--port", str(g_port), "--prefill", ",".join(stack.prefill), "--decode", stack.decode[0]])
         for addr, proc in zip([*stack.prefill, *stack.decode, stack.gateway], stack.procs):
             wait_serving(addr, proc)
     except BaseException:
