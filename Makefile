@@ -18,4 +18,5 @@ test-fast: install
 	$(PY) -m pytest -m "not slow"
 
 bench: install
-	$(PY) -m benchmarks.engine_throughput
+	$(PIP) install -q -e '.[bench]'
+	$(PY) -m benchmarks.compare --out benchmarks/results

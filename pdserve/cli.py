@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--port", type=int, default=4318)
     tr.add_argument("--quiet", type=float, default=2.0, help="print a trace once it has been quiet this long (s)")
 
+    from benchmarks.load_gen import add_arguments as bench_arguments
+
+    bench = sub.add_parser("bench", help="load-test the gateway (or any OpenAI-compatible server): vLLM's metrics")
+    bench_arguments(bench)
+
     hc = sub.add_parser("health", help="exit 0 when a service answers gRPC health SERVING (container healthcheck)")
     hc.add_argument("--address", default=os.environ.get("PDSERVE_HEALTH_ADDRESS", "127.0.0.1:50051"))
     hc.add_argument("--timeout", type=float, default=3.0)
@@ -309,6 +314,13 @@ def cmd_traces(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks.load_gen import bench
+
+    record = asyncio.run(bench(args))
+    return 0 if record["failed"] == 0 else 1
+
+
 def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -467,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level, args.log_format, args.command)
     handlers = {"up": cmd_up, "gateway": cmd_gateway, "prefill": cmd_worker, "decode": cmd_worker,
                 "generate": cmd_generate, "traces": cmd_traces,
-                "health": cmd_health, "colocated": cmd_worker}
+                "health": cmd_health, "colocated": cmd_worker,
+                "bench": cmd_bench}
     return handlers[args.command](args)
 
 

@@ -1,0 +1,131 @@
+"""`pdserve bench`: its statistics on synthetic timings (vLLM's definitions), its load shapes, and a live run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks.bench_stats import RequestResult, compute_metrics, format_table, parse_goodput
+from benchmarks.load_gen import BenchRequest, make_requests, parse_sse, run_load
+
+
+def req(ttft, latency, output_len, itl=None, prompt_len=10, success=True):
+    return RequestResult(prompt_len, output_len, ttft, latency, itl or [], success)
+
+
+def test_throughputs_and_latency_definitions():
+    results = [req(0.1, 1.0, 10, [0.1] * 9), req(0.3, 2.1, 19, [0.1] * 18, prompt_len=20),
+               req(0.0, 0.0, 0, success=False)]
+    m = compute_metrics(results, duration_s=4.0, percentiles=[50, 99])
+    assert (m.completed, m.failed) == (2, 1)
+    assert m.total_input_tokens == 30 and m.total_output_tokens == 29
+    assert m.request_throughput == pytest.approx(0.5)
+    assert m.output_throughput == pytest.approx(29 / 4)
+    assert m.total_token_throughput == pytest.approx(59 / 4)
+    # TPOT excludes the first token: (latency - ttft) / (output - 1)
+    assert m.tpot_ms.mean == pytest.approx(np.mean([0.9 / 9, 1.8 / 18]) * 1000)
+    assert m.ttft_ms.median == pytest.approx(200.0)
+    assert m.ttft_ms.percentiles["p99"] == pytest.approx(np.percentile([100.0, 300.0], 99))
+    assert m.e2el_ms.mean == pytest.approx(1550.0)
+    assert m.itl_ms.mean == pytest.approx(100.0)  # every gap of every request, pooled
+    assert m.request_goodput is None
+
+
+def test_single_token_requests_have_no_tpot():
+    m = compute_metrics([req(0.2, 0.2, 1)], 1.0)
+    assert m.tpot_ms.mean == 0.0 and m.ttft_ms.mean == pytest.approx(200.0)
+
+
+def test_percentiles_interpolate_like_numpy():
+    values = [0.01 * i for i in range(1, 102)]
+    m = compute_metrics([req(v, v + 1, 2, [v]) for v in values], 10.0, percentiles=[50, 90, 99, 99.9])
+    for p in (50, 90, 99):
+        assert m.ttft_ms.percentiles[f"p{p}"] == pytest.approx(np.percentile(np.array(values) * 1000, p))
+    assert "p99.9" in m.ttft_ms.percentiles
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    results = [req(0.1, 1.0, 11),    # ttft 100 ms, tpot 90 ms
+               req(0.6, 1.1, 11),    # ttft too slow
+               req(0.1, 3.1, 11),    # tpot 300 ms too slow
+               req(0.2, 0.2, 1)]     # one token: no tpot, ttft ok
+    slos = parse_goodput(["ttft:500", "tpot:100"])
+    m = compute_metrics(results, 2.0, slos=slos)
+    assert m.request_goodput == pytest.approx(2 / 2.0)
+    assert compute_metrics(results, 2.0, slos=parse_goodput(["e2el:1050"])).request_goodput == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        parse_goodput(["latency:5"])
+    with pytest.raises(ValueError):
+        parse_goodput(["ttft:-1"])
+
+
+def test_table_has_vllm_rows():
+    text = format_table(compute_metrics([req(0.1, 1.0, 10, [0.1] * 9)], 1.0, [50, 99], parse_goodput(["ttft:1"])))
+    for row in ("Successful requests:", "Request goodput (req/s):", "Output token throughput (tok/s):",
+                "Mean TTFT (ms):", "P99 TPOT (ms):", "Median ITL (ms):", "P50 E2EL (ms):"):
+        assert row in text
+
+
+def test_prompts_are_exact_shared_and_reproducible():
+    a = make_requests(20, [32, 512], 16, seed=1, weights=[3, 1], prefix_len=8, vocab=(100, 200))
+    b = make_requests(20, [32, 512], 16, seed=1, weights=[3, 1], prefix_len=8, vocab=(100, 200))
+    assert [r.prompt_ids for r in a] == [r.prompt_ids for r in b]
+    assert {len(r.prompt_ids) for r in a} == {40, 520}
+    assert len({tuple(r.prompt_ids[:8]) for r in a}) == 1
+    assert all(100 <= t < 200 for r in a for t in r.prompt_ids)
+    spread = make_requests(50, [100], 4, seed=2, range_ratio=0.5)
+    assert all(50 <= len(r.prompt_ids) <= 150 for r in spread) and len({len(r.prompt_ids) for r in spread}) > 5
+
+
+def test_sse_events_split_across_reads():
+    stream = (b'data: {"choices": [{"text": "a"}]}\n\n'
+              b'data: {"choices": [{"text": "b"}], "usage": null}\n\ndata: {"choi')
+    events, rest = parse_sse(stream)
+    assert [e["choices"][0]["text"] for e in events] == ["a", "b"]
+    events, rest = parse_sse(rest + b'ces": [], "usage": {"completion_tokens": 2}}\n\ndata: [DONE]\n\n')
+    assert events == [{"choices": [], "usage": {"completion_tokens": 2}}, "[DONE]"] and rest == b""
+
+
+async def test_concurrency_cap_and_order():
+    live = peak = 0
+
+    async def send(r: BenchRequest) -> RequestResult:
+        nonlocal live, peak
+        live += 1
+        peak = max(peak, live)
+        await asyncio.sleep(0.01)
+        live -= 1
+        return RequestResult(len(r.prompt_ids), r.output_len, 0.001, 0.01, [], True)
+
+    reqs = [BenchRequest([1] * (i + 1), 3) for i in range(12)]
+    results, duration, seen = await run_load(send, reqs, max_concurrency=3, request_rate=float("inf"), seed=0)
+    assert peak == seen == 3
+    assert [r.prompt_len for r in results] == list(range(1, 13))
+    results, _, _ = await run_load(send, reqs[:4], max_concurrency=None, request_rate=200.0, seed=0,
+                                   warmups=[BenchRequest([1], 1)])
+    assert len(results) == 4
+
+
+@pytest.mark.slow
+async def test_bench_against_a_live_stack(observed_stack, tmp_path):
+    import argparse
+
+    from benchmarks.load_gen import add_arguments, bench
+
+    stack, _, _ = observed_stack
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = tmp_path / "runs.jsonl"
+    args = p.parse_args(["--address", stack.gateway, "--num-requests", "6", "--max-concurrency", "3",
+                         "--input-len", "12,40", "--output-len", "5", "--num-warmups", "1", "--label", "smoke",
+                         "--goodput", "ttft:60000", "--result-json", str(out), "--vocab-range", "1000,40000"])
+    record = await bench(args)
+    assert record["completed"] == 6 and record["failed"] == 0
+    assert record["total_output_tokens"] == 30
+    assert record["request_goodput"] == pytest.approx(record["request_throughput"])
+    assert record["max_concurrent_requests"] <= 3
+    assert record["ttft_ms"]["mean"] > 0 and record["itl_ms"]["mean"] > 0
+    assert json.loads(out.read_text())["label"] == "smoke"
