@@ -250,13 +250,15 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     systems = [s for s in dict.fromkeys(r["system"] for r in rows) if "(mixed)" not in s]
+    colors = dict(zip(systems, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for system in systems:
         rs = sorted((r for r in rows if r["system"] == system), key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in rs]
-        axes[0].plot(xs, [r["output_throughput"] for r in rs], marker="o", label=system)
-        if system != "hf-generate":
-            axes[1].plot(xs, [r["ttft_ms"]["median"] / 1000 for r in rs], marker="o", label=system)
-            axes[2].plot(xs, [r["itl_ms"]["median"] for r in rs], marker="o", label=system)
+        style = {"marker": "o", "label": system, "color": colors[system]}
+        axes[0].plot(xs, [r["output_throughput"] for r in rs], **style)
+        if system != "hf-generate":  # static batches: no streaming, so no TTFT or ITL
+            axes[1].plot(xs, [r["ttft_ms"]["median"] / 1000 for r in rs], **style)
+            axes[2].plot(xs, [r["itl_ms"]["median"] for r in rs], **style)
     for ax, title in zip(axes, ("output tokens/s", "TTFT p50 (s)", "ITL p50 (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (HF: batch size)")

@@ -74,8 +74,9 @@ def _decode_batch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 
     n_blocks = (max_len + block_size - 1) // block_size
     table = block_tables[rows, :n_blocks]
     b = len(rows)
-    k = k_cache[table].view(b, -1, kv_heads, dim)[:, :max_len].permute(0, 2, 3, 1)  # [B, KVH, D, L]
-    v = v_cache[table].view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
+    ids = table.reshape(-1)  # gather whole blocks as rows: memcpy speed, unlike advanced indexing
+    k = k_cache.index_select(0, ids).view(b, -1, kv_heads, dim)[:, :max_len].permute(0, 2, 3, 1)  # [B, KVH, D, L]
+    v = v_cache.index_select(0, ids).view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
     token_idx = torch.tensor([query_start_loc[i] for i in rows], device=q.device)
     qd = q[token_idx].view(b, kv_heads, -1, dim)  # [B, KVH, G, D]
     scores = torch.matmul(qd, k).float() * scale

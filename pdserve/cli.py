@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr = sub.add_parser("traces", help="receive OTLP/HTTP traces and print each request's span tree")
     tr.add_argument("--host", default="127.0.0.1")
     tr.add_argument("--port", type=int, default=4318)
-    tr.add_argument("--quiet", type=float, default=2.0, help="print a trace once it has been quiet this long (s)")
+    tr.add_argument("--quiet", type=float, default=8.0, help="print a trace once it has been quiet this long (s)")
 
     from benchmarks.load_gen import add_arguments as bench_arguments
 

@@ -140,7 +140,7 @@ class TraceConsole:
     """Prints a trace once no span of it has arrived for `quiet` seconds (spans of one trace come in batches
     from several processes)."""
 
-    def __init__(self, quiet: float = 2.0, out=None) -> None:
+    def __init__(self, quiet: float = 8.0, out=None) -> None:
         import sys
 
         self.quiet = quiet
@@ -166,7 +166,7 @@ class TraceConsole:
                 receiver.spans = [s for s in receiver.spans if s.trace_id not in ready]
 
 
-def serve_console(host: str, port: int, quiet: float = 2.0) -> None:
+def serve_console(host: str, port: int, quiet: float = 8.0) -> None:
     """Run until Ctrl-C, printing each finished trace."""
     console = TraceConsole(quiet)
     with OTLPReceiver(host, port, on_spans=console.seen) as receiver:
