@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from opentelemetry import trace
@@ -26,6 +25,7 @@ from engine.request_check import check_request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_loop import StepLoop
 from pdserve.logs import REQUEST_LOGGER, log_request
 from pdserve.tracing import trace_id
 
@@ -55,21 +55,13 @@ class ColocatedWorker:
         self._queues: dict[str, asyncio.Queue] = {}
         self._seqs: dict[str, Sequence] = {}
         self._in_step: set[str] = set()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="colocated-model")
-        self._wakeup = asyncio.Event()
-        self._loop_task: asyncio.Task | None = None
-        self._closing = False
+        self._loop = StepLoop("colocated", self._run_loop)
 
     async def start(self) -> None:
-        self._loop_task = asyncio.create_task(self._run_loop(), name="colocated-loop")
+        self._loop.start()
 
     async def stop(self) -> None:
-        self._closing = True
-        self._wakeup.set()
-        if self._loop_task:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        self._executor.shutdown(wait=True)
+        await self._loop.stop()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        prefill_address: str = "") -> AsyncIterator[TokenEvent]:
@@ -86,7 +78,7 @@ class ColocatedWorker:
         queue: asyncio.Queue = asyncio.Queue()
         self._seqs[request_id], self._queues[request_id] = seq, queue
         self.scheduler.add(seq)
-        self._wakeup.set()
+        self._loop.wake()
         status, ttft, last = "ok", None, 0.0
         stream = self.tracer.start_span("colocated.generate", attributes={"pdserve.request_id": request_id,
                                                                           "pdserve.prompt_tokens": len(prompt_ids)})
@@ -129,27 +121,24 @@ class ColocatedWorker:
             return  # the loop finishes it after the forward in flight
         if seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(seq, "abort")
-            self._wakeup.set()
+            self._loop.wake()
 
     async def _run_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._closing:
+        while not self._loop.closing:
             if not self.scheduler.has_work:
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                await self._loop.sleep()
                 continue
             batch = self.scheduler.schedule()
             self.preemptions_total += len(batch.preempted)
             self.metrics.preemptions.inc(len(batch.preempted))
             if not batch.seqs:
                 self._fail_unschedulable()
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                await self._loop.sleep()
                 continue
             self._in_step = {s.request_id for s in batch.seqs}
             t0 = time.perf_counter()
             try:
-                samples = await loop.run_in_executor(self._executor, self.runner.execute, batch)
+                samples = await self._loop.run(self.runner.execute, batch)
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the worker
                 log.exception("colocated step failed")
                 self._in_step = set()

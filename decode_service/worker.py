@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -30,6 +29,7 @@ from engine.sampler import SampleOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_loop import StepLoop
 from kvtransfer.layout import KVLayout
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.stats import TransferStats
@@ -91,26 +91,18 @@ class DecodeWorker:
         self.requests_total = 0
         self.preemptions_total = 0
         self._requests: dict[str, _Request] = {}
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="decode-model")
-        self._wakeup = asyncio.Event()
+        self._loop = StepLoop("decode", self._run_loop)
         self._blocks_freed = asyncio.Condition()
         self._num_blocked = 0
         self._in_step: set[str] = set()
-        self._loop_task: asyncio.Task | None = None
-        self._closing = False
 
     async def start(self) -> None:
         await self.receiver.start()
-        self._loop_task = asyncio.create_task(self._run_loop(), name="decode-loop")
+        self._loop.start()
 
     async def stop(self) -> None:
-        self._closing = True
-        self._wakeup.set()
-        if self._loop_task:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        await self._loop.stop()
         await self.receiver.close()
-        self._executor.shutdown(wait=True)
 
     # ---- admission ---------------------------------------------------------------------------------------
 
@@ -233,7 +225,7 @@ class DecodeWorker:
         self.metrics.generation_tokens.inc()
         if seq.finish_reason is None:
             self.scheduler.add_running(seq)
-            self._wakeup.set()
+            self._loop.wake()
         return TokenEvent(result.sample, seq.finish_reason)
 
     async def _release(self, req: _Request) -> None:
@@ -264,11 +256,9 @@ class DecodeWorker:
     # ---- the continuous-batching loop ---------------------------------------------------------------------
 
     async def _run_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._closing:
+        while not self._loop.closing:
             if not self.scheduler.running:
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                await self._loop.sleep()
                 continue
             batch = self.scheduler.schedule(admit_waiting=False)
             for seq in batch.preempted:
@@ -278,7 +268,7 @@ class DecodeWorker:
             self._in_step = {s.request_id for s in batch.seqs}
             t0 = time.perf_counter()
             try:
-                samples = await loop.run_in_executor(self._executor, self.runner.execute, batch)
+                samples = await self._loop.run(self.runner.execute, batch)
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the worker
                 log.exception("decode step failed")
                 self._in_step = set()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from opentelemetry import context as otel_context
@@ -25,6 +24,7 @@ from engine.model_runner import ModelRunner
 from engine.request_check import check_request
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.step_loop import StepLoop
 from kvtransfer.errors import TransferError
 from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.sender import KVSender
@@ -80,24 +80,16 @@ class PrefillWorker:
         self.prefill_tokens_total = 0
         self._jobs: dict[str, _Job] = {}
         self._in_step: set[str] = set()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-model")
-        self._wakeup = asyncio.Event()
+        self._loop = StepLoop("prefill", self._run_loop)
         self._finishing: set[asyncio.Task] = set()
-        self._loop_task: asyncio.Task | None = None
-        self._closing = False
 
     async def start(self) -> None:
-        self._loop_task = asyncio.create_task(self._run_loop(), name="prefill-loop")
+        self._loop.start()
 
     async def stop(self) -> None:
-        self._closing = True
-        self._wakeup.set()
-        if self._loop_task:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        await self._loop.stop()
         await asyncio.gather(*self._finishing, return_exceptions=True)
         await self.sender.close()
-        self._executor.shutdown(wait=True)
 
     def check(self, job: PrefillJob) -> None:
         n = len(job.token_ids)
@@ -141,7 +133,7 @@ class PrefillWorker:
                      trace_context=otel_context.get_current(), arrived_ns=time.time_ns())
         self._jobs[job.request_id] = entry
         self.scheduler.add(seq)
-        self._wakeup.set()
+        self._loop.wake()
         try:
             return await asyncio.shield(entry.future)
         finally:
@@ -158,19 +150,16 @@ class PrefillWorker:
         self._jobs.pop(rid, None)
         if entry.seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(entry.seq, "abort")
-            self._wakeup.set()
+            self._loop.wake()
 
     async def _run_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._closing:
+        while not self._loop.closing:
             if not self.scheduler.has_work:
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                await self._loop.sleep()
                 continue
             batch = self.scheduler.schedule()
             if not batch.seqs:  # the pool is held by transfers in flight: wait until one frees its blocks
-                self._wakeup.clear()
-                await self._wakeup.wait()
+                await self._loop.sleep()
                 continue
             finishing = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
             sending = await self._begin_transfers(finishing)
@@ -182,7 +171,7 @@ class PrefillWorker:
 
             step_start = time.time_ns()
             try:
-                samples = await loop.run_in_executor(self._executor, self.runner.execute, batch, push)
+                samples = await self._loop.run(self.runner.execute, batch, push)
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the worker
                 log.exception("prefill step failed")
                 self._in_step = set()
@@ -281,7 +270,7 @@ class PrefillWorker:
             self.allocator.free(seq.block_ids)
             seq.block_ids = []
             self._jobs.pop(seq.request_id, None)
-            self._wakeup.set()
+            self._loop.wake()
 
     async def _fail(self, seq: Sequence, error: Exception) -> None:
         entry = self._jobs.pop(seq.request_id, None)
