@@ -54,7 +54,6 @@ class ColocatedWorker:
         self.preemptions_total = 0
         self._queues: dict[str, asyncio.Queue] = {}
         self._seqs: dict[str, Sequence] = {}
-        self._in_step: set[str] = set()
         self._loop = StepLoop("colocated", self._run_loop)
 
     async def start(self) -> None:
@@ -117,7 +116,7 @@ class ColocatedWorker:
     def _release(self, seq: Sequence) -> None:
         self._queues.pop(seq.request_id, None)
         self._seqs.pop(seq.request_id, None)
-        if seq.request_id in self._in_step:
+        if seq.request_id in self._loop.in_step:
             return  # the loop finishes it after the forward in flight
         if seq.status is not SequenceStatus.FINISHED:
             self.scheduler.finish(seq, "abort")
@@ -135,17 +134,14 @@ class ColocatedWorker:
                 self._fail_unschedulable()
                 await self._loop.sleep()
                 continue
-            self._in_step = {s.request_id for s in batch.seqs}
             t0 = time.perf_counter()
             try:
-                samples = await self._loop.run(self.runner.execute, batch)
+                samples = await self._loop.step(self.runner.execute, batch)
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the worker
                 log.exception("colocated step failed")
-                self._in_step = set()
                 for seq in batch.seqs:
                     self._deliver(seq, e)
                 continue
-            self._in_step = set()
             self.metrics.step_time.observe(time.perf_counter() - t0)
             self.metrics.batch_size.observe(len(batch.seqs))
             self.scheduler.commit(batch)

@@ -94,7 +94,6 @@ class DecodeWorker:
         self._loop = StepLoop("decode", self._run_loop)
         self._blocks_freed = asyncio.Condition()
         self._num_blocked = 0
-        self._in_step: set[str] = set()
 
     async def start(self) -> None:
         await self.receiver.start()
@@ -234,7 +233,7 @@ class DecodeWorker:
         if req.recompute is not None and not req.recompute.done():
             req.recompute.cancel()
             await asyncio.gather(req.recompute, return_exceptions=True)
-        if seq.request_id in self._in_step:
+        if seq.request_id in self._loop.in_step:
             req.abort = True  # the loop frees it once the forward in flight is done
             return
         self._retire(seq, "abort")
@@ -265,17 +264,14 @@ class DecodeWorker:
                 self._start_recompute(seq)
             if not batch.seqs:
                 continue
-            self._in_step = {s.request_id for s in batch.seqs}
             t0 = time.perf_counter()
             try:
-                samples = await self._loop.run(self.runner.execute, batch)
+                samples = await self._loop.step(self.runner.execute, batch)
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the worker
                 log.exception("decode step failed")
-                self._in_step = set()
                 for seq in list(batch.seqs):
                     self._deliver(seq, e)
                 continue
-            self._in_step = set()
             self.metrics.step_time.observe(time.perf_counter() - t0)
             self.metrics.batch_size.observe(len(batch.seqs))
             self.scheduler.commit(batch)

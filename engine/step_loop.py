@@ -7,6 +7,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Awaitable, Callable, TypeVar
 
+from engine.scheduler import ScheduledBatch
+
 T = TypeVar("T")
 
 
@@ -18,6 +20,7 @@ class StepLoop:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.closing = False
+        self.in_step: set[str] = set()  # requests in the forward in flight: free their blocks only after it
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._body(), name=f"{self.name}-loop")
@@ -31,9 +34,13 @@ class StepLoop:
         self._wakeup.clear()
         await self._wakeup.wait()
 
-    async def run(self, fn: Callable[..., T], *args) -> T:
-        """Run `fn` (a forward) on the model thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    async def step(self, fn: Callable[..., T], batch: ScheduledBatch, *args) -> T:
+        """Run `fn(batch, *args)` (a forward) on the model thread, with `in_step` naming the batch's requests."""
+        self.in_step = {seq.request_id for seq in batch.seqs}
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, batch, *args)
+        finally:
+            self.in_step = set()
 
     async def stop(self) -> None:
         self.closing = True

@@ -96,6 +96,10 @@ class OTLPReceiver:
         with self._lock:
             return [s for s in self.spans if s.trace_id == trace_id]
 
+    def forget(self, trace_ids: set[str]) -> None:
+        with self._lock:
+            self.spans = [s for s in self.spans if s.trace_id not in trace_ids]
+
     def wait_for(self, predicate, timeout: float = 30.0) -> list[ReceivedSpan]:
         """Poll (bounded) until predicate(spans) is true; returns the spans."""
         deadline = time.monotonic() + timeout
@@ -162,8 +166,7 @@ class TraceConsole:
         for t in ready:
             print(format_tree(receiver.trace(t)) + "\n", file=self.out, flush=True)
         if ready:  # printed traces are not kept: a long-running console does not grow
-            with receiver._lock:
-                receiver.spans = [s for s in receiver.spans if s.trace_id not in ready]
+            receiver.forget(set(ready))
 
 
 def serve_console(host: str, port: int, quiet: float = 8.0) -> None:

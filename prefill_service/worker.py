@@ -79,7 +79,6 @@ class PrefillWorker:
         self.requests_total = 0
         self.prefill_tokens_total = 0
         self._jobs: dict[str, _Job] = {}
-        self._in_step: set[str] = set()
         self._loop = StepLoop("prefill", self._run_loop)
         self._finishing: set[asyncio.Task] = set()
 
@@ -145,7 +144,7 @@ class PrefillWorker:
         rid = entry.seq.request_id
         self._end_transfer_span(entry, error="prefill cancelled")
         await self.sender.abort(rid, "prefill cancelled")
-        if rid in self._in_step:
+        if rid in self._loop.in_step:
             return  # the loop releases it after the forward in flight
         self._jobs.pop(rid, None)
         if entry.seq.status is not SequenceStatus.FINISHED:
@@ -163,7 +162,6 @@ class PrefillWorker:
                 continue
             finishing = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
             sending = await self._begin_transfers(finishing)
-            self._in_step = {s.request_id for s in batch.seqs}
 
             def push(layer: int) -> None:
                 for rid in sending:
@@ -171,14 +169,12 @@ class PrefillWorker:
 
             step_start = time.time_ns()
             try:
-                samples = await self._loop.run(self.runner.execute, batch, push)
+                samples = await self._loop.step(self.runner.execute, batch, push)
             except Exception as e:  # noqa: BLE001 - a failed step fails its requests, not the worker
                 log.exception("prefill step failed")
-                self._in_step = set()
                 for seq in batch.seqs:
                     await self._fail(seq, e)
                 continue
-            self._in_step = set()
             step_end = time.time_ns()
             self.metrics.step_time.observe((step_end - step_start) / 1e9)
             self.metrics.batch_tokens.observe(batch.num_tokens)
