@@ -35,9 +35,9 @@ def _receiver(pipe, num_blocks: int) -> None:
     """Serves pdserve receivers for both transports and a raw ucxx echo-ack endpoint."""
     import ucxx
 
-    from kvtransfer.layout import KVLayout
+    from kernels.kv_layout import KVLayout
     from kvtransfer.receiver import KVReceiver
-    from kvtransfer.transport import make_transport
+    from kvtransfer.transports import make_transport
 
     async def raw_handler(ep) -> None:
         while True:
@@ -98,7 +98,8 @@ async def _pdserve(sender, address: str, pipe, name: str, blocks: int, repeats: 
         ids = list(range(blocks))
         pipe.send(("expect", name, rid, ids))
         assert await asyncio.to_thread(pipe.recv) == "ready"
-        await sender.begin(rid, address, ids, ids)
+        await sender.connect(address)
+        sender.begin(rid, address, ids, ids)
         t0 = time.perf_counter()
         await asyncio.to_thread(lambda: [sender.send_layer(rid, layer) for layer in range(LAYOUT["num_layers"])])
         stats = await sender.finish(rid)
@@ -130,9 +131,9 @@ def main() -> None:
     for k, v in _UCX_DEFAULTS.items():  # the raw baseline gets the same UCX settings as pdserve
         os.environ.setdefault(k, v)
 
-    from kvtransfer.layout import KVLayout
+    from kernels.kv_layout import KVLayout
     from kvtransfer.sender import KVSender
-    from kvtransfer.transport import make_transport
+    from kvtransfer.transports import make_transport
 
     max_blocks = max(-(-t // LAYOUT["block_size"]) for t in args.tokens)
     ctx = mp.get_context("spawn")
@@ -150,7 +151,7 @@ def main() -> None:
               f" {'ucx/raw':>8}   GB/s, median of {args.repeats}")
         for tokens in args.tokens:
             blocks = -(-tokens // LAYOUT["block_size"])
-            nbytes = blocks * LAYOUT["num_layers"] * 2 * layout.block_nbytes
+            nbytes = blocks * layout.block_nbytes
             row = {"tokens": tokens, "bytes": nbytes,
                    "memcpy": statistics.median(_memcpy(nbytes, args.repeats)),
                    "raw_ucxx": statistics.median(await _raw_ucxx(addresses["raw"], nbytes, args.repeats))}
@@ -169,7 +170,7 @@ def main() -> None:
     pipe.send(("stop",))
     pipe.recv()
     proc.join(10)
-    from kvtransfer.transport import shutdown_transports
+    from kvtransfer.transports import shutdown_transports
 
     shutdown_transports()
     if args.json:

@@ -13,11 +13,12 @@ import torch
 
 from engine.attention import AttentionMetadata, select_backend
 from engine.config import EngineConfig, ModelConfig, parse_dtype
-from engine.kv_cache import KVCacheSpec
+from engine.kv_cache import plan_kv_cache
 from engine.model import LlamaForCausalLM, load_model
 from engine.model_store import resolve_model
 from engine.sampler import SampleOutput, Sampler
 from engine.scheduler import ScheduledBatch
+from kernels.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +35,14 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, spec: KVCacheSpec, attention_backend: str = "auto",
+    def __init__(self, model: LlamaForCausalLM, layout: KVLayout, attention_backend: str = "auto",
                  device: str | torch.device = "cpu") -> None:
         self.model = model
         self.config: ModelConfig = model.config
-        self.spec = spec
+        self.layout = layout
         self.device = torch.device(device)
-        self.kv_cache = spec.allocate(self.device)
-        self.backend = select_backend(attention_backend, self.device, spec.block_size)
+        self.kv_cache = layout.allocate(self.device)
+        self.backend = select_backend(attention_backend, self.device, layout.block_size)
         self.sampler = Sampler(self.config.vocab_size, self.config.eos_token_ids)
 
     @classmethod
@@ -54,13 +55,13 @@ class ModelRunner:
         device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                               "cpu" if cfg.device == "auto" else cfg.device)
         model = model.to(device)
-        spec = KVCacheSpec.for_model(model.config, dtype, cfg.block_size, cfg.kv_cache_memory, cfg.num_blocks)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", spec.num_blocks, spec.block_size,
-                 spec.num_blocks * spec.bytes_per_block / 2**20)
-        return cls(model, spec, cfg.attention_backend, device)
+        layout = plan_kv_cache(model.config, dtype, cfg.block_size, cfg.kv_cache_memory, cfg.num_blocks, device.type)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", layout.num_blocks, layout.block_size,
+                 layout.num_blocks * layout.block_nbytes / 2**20)
+        return cls(model, layout, cfg.attention_backend, device)
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
-        bs = self.spec.block_size
+        bs = self.layout.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

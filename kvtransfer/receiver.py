@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels.kv_layout import KVLayout, LayoutMismatch
 from kvtransfer.errors import PeerDisconnected, TransferCancelled, TransferError, TransferTimeout
-from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.stats import StatsHook, TransferStats
 from kvtransfer.transport import Connection, Listener, Transport, as_bytes
 
@@ -102,6 +102,11 @@ class KVReceiver:
     def num_pending(self) -> int:
         return len(self._expected)
 
+    def layers_landed(self, request_id: str) -> int:
+        """How many of an expected request's layers have landed so far (0 once it is no longer expected)."""
+        exp = self._expected.get(request_id)
+        return len(exp.layers_done) if exp is not None else 0
+
     def _fail(self, request_id: str, error: TransferError) -> None:
         exp = self._expected.pop(request_id, None)
         if exp is None:
@@ -167,7 +172,7 @@ class KVReceiver:
     async def _on_layer(self, conn: Connection, conn_id: int, h: dict) -> str | None:
         """Land one message of one or more consecutive layers; returns the request id if that completed it."""
         rid, layers, n = h["req"], h["layers"], h["n"]
-        nbytes = n * self.layout.block_nbytes
+        nbytes = n * self.layout.page_nbytes
         exp = self._expected.get(rid)
         valid = exp is not None and conn_id in exp.feeders and n == len(exp.block_ids) \
             and all(0 <= layer < self.layout.num_layers and layer not in exp.layers_done for layer in layers)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.kv_layout import KVLayout, LayoutMismatch
 from kvtransfer.errors import PeerDisconnected, TransferCancelled, TransferError, TransferTimeout
-from kvtransfer.layout import KVLayout, LayoutMismatch
 from kvtransfer.receiver import contiguous_run
 from kvtransfer.stats import StatsHook, TransferStats
 from kvtransfer.transport import Connection, Transport, as_bytes, parse_address
@@ -188,6 +188,15 @@ class KVSender:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing: set[asyncio.Future] = set()
 
+    def connected(self, address: str) -> bool:
+        return address in self._peers
+
+    async def connect(self, address: str) -> None:
+        """Open the connection to the receiver at `address` (handshake included) unless it is open already."""
+        if address in self._peers:
+            return
+        await self._peer(address)
+
     async def _peer(self, address: str) -> _Peer:
         peer = self._peers.get(address)
         if peer is not None:
@@ -220,16 +229,18 @@ class KVSender:
             self._peers[address] = peer
             return peer
 
-    async def begin(self, request_id: str, address: str, src_block_ids: list[int], dst_block_ids: list[int],
-                    trace: dict | None = None) -> None:
-        """Connect (or reuse the connection) to `address` and register the request's block mapping."""
+    def begin(self, request_id: str, address: str, src_block_ids: list[int], dst_block_ids: list[int],
+              trace: dict | None = None) -> None:
+        """Register the request's block mapping on the open connection to `address` (see `connect`)."""
         if len(src_block_ids) != len(dst_block_ids):
             raise ValueError(f"request {request_id}: {len(src_block_ids)} source blocks for "
                              f"{len(dst_block_ids)} destination blocks")
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already being sent")
+        peer = self._peers.get(address)
+        if peer is None:
+            raise PeerDisconnected(f"no open KV connection to {address}")
         self._loop = asyncio.get_running_loop()
-        peer = await self._peer(address)
         req = _Outgoing(request_id, peer, list(src_block_ids), list(dst_block_ids), contiguous_run(src_block_ids),
                         self._loop.create_future(),
                         TransferStats(request_id, self.transport.name, blocks=len(src_block_ids),
@@ -252,7 +263,7 @@ class KVSender:
         else:
             packed = kv_layer.index_select(1, torch.tensor(req.src_block_ids))
             k, v = packed[0], packed[1]
-        nbytes = 2 * len(req.src_block_ids) * self.layout.block_nbytes
+        nbytes = 2 * len(req.src_block_ids) * self.layout.page_nbytes
         header = {"type": "layer", "req": request_id, "layers": [layer], "n": len(req.src_block_ids)}
         on_loop = _running_loop() is self._loop
         self._budget.acquire(nbytes, block=not on_loop)

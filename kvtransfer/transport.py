@@ -71,19 +71,6 @@ class Transport(abc.ABC):
     async def connect(self, host: str, port: int, timeout: float) -> Connection: ...
 
 
-def make_transport(name: str) -> Transport:
-    """'ucx' (default) or 'tcp'."""
-    if name == "ucx":
-        from kvtransfer.ucx_transport import UCXTransport
-
-        return UCXTransport()
-    if name == "tcp":
-        from kvtransfer.tcp_transport import TCPTransport
-
-        return TCPTransport()
-    raise ValueError(f"unknown KV transport {name!r} (have: ucx, tcp)")
-
-
 def parse_address(address: str) -> tuple[str, str, int]:
     """'ucx://127.0.0.1:5000' -> ('ucx', '127.0.0.1', 5000)."""
     scheme, sep, rest = address.partition("://")
@@ -91,12 +78,3 @@ def parse_address(address: str) -> tuple[str, str, int]:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"bad KV transfer address {address!r}; expected scheme://host:port")
     return scheme, host, int(port)
-
-
-def shutdown_transports() -> None:
-    """Release process-wide transport state once this process is done moving KV (UCX: its notifier thread,
-    which otherwise keeps the interpreter from exiting)."""
-    import sys
-
-    if "kvtransfer.ucx_transport" in sys.modules:
-        sys.modules["kvtransfer.ucx_transport"].shutdown()

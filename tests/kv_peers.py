@@ -30,9 +30,9 @@ def _other_tasks() -> list[str]:
 
 
 def receiver_main(pipe, transport_name: str, layout: dict, num_blocks: int, timeout: float) -> None:
-    from kvtransfer.layout import KVLayout
+    from kernels.kv_layout import KVLayout
     from kvtransfer.receiver import KVReceiver
-    from kvtransfer.transport import make_transport, shutdown_transports
+    from kvtransfer.transports import make_transport, shutdown_transports
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -63,6 +63,8 @@ def receiver_main(pipe, transport_name: str, layout: dict, num_blocks: int, time
                 recv.cancel(cmd[1])
             elif cmd[0] == "read":
                 pipe.send(("blocks", cache[:, :, cmd[1]].clone()))
+            elif cmd[0] == "progress":
+                pipe.send(("progress", recv.layers_landed(cmd[1])))
             elif cmd[0] == "stats":
                 pipe.send(("stats", recv.num_pending, recv.discarded_messages))
             elif cmd[0] == "stop":
@@ -94,13 +96,14 @@ def sender_main(pipe, transport_name: str, layout: dict, num_blocks: int, addres
     With stall_after_layers, each request sends that many layers, reports "stalled", and the process waits to
     be killed.
     """
-    from kvtransfer.layout import KVLayout
+    from kernels.kv_layout import KVLayout
     from kvtransfer.sender import KVSender
-    from kvtransfer.transport import make_transport
+    from kvtransfer.transports import make_transport
 
     async def one(sender, rid, src, dst) -> None:
         try:
-            await sender.begin(rid, address, src, dst)
+            await sender.connect(address)
+            sender.begin(rid, address, src, dst)
             layers = layout["num_layers"] if stall_after_layers is None else stall_after_layers
 
             def forward() -> None:  # the forward pass's thread, layer by layer

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from kvtransfer.layout import KVLayout, LayoutMismatch
+from kernels.kv_layout import KVLayout, LayoutMismatch
 from kvtransfer.transport import parse_address
 from tests.kv_peers import LAYOUT, make_cache, receiver_main, sender_main
 
@@ -77,6 +77,17 @@ def _receiver(transport: str, timeout: float = WAIT, layout: dict = LAYOUT) -> t
     return peer, peer.expect("address")[1]
 
 
+def _wait_landed(peer: Peer, rid: str, layers: int) -> None:
+    """Until the receiver reports `layers` layers of `rid` landed (bounded by WAIT)."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        peer.pipe.send(("progress", rid))
+        if peer.expect("progress")[1] >= layers:
+            return
+        assert time.monotonic() < deadline, f"{rid}: fewer than {layers} layers landed within {WAIT}s"
+        time.sleep(0.05)
+
+
 def _stop_receiver(peer: Peer) -> list[str]:
     peer.pipe.send(("stop",))
     leftover = peer.expect("stopped")[1]
@@ -126,7 +137,7 @@ def test_layout_mismatch_is_refused(transport, env_loopback):
     sender = None
     try:
         other = dict(LAYOUT, head_dim=16)
-        recv.pipe.send(("expect", "r", [1, 2], 5.0))
+        recv.pipe.send(("expect", "r", [1, 2], None))
         sender = Peer(sender_main, transport, other, SEND_BLOCKS, address, [("r", [1, 2], [1, 2])], 0, WAIT)
         msg = sender.expect("send_failed")
         assert msg[2] == "LayoutMismatch" and "head_dim" in msg[3]
@@ -156,12 +167,10 @@ def test_killed_sender_fails_only_its_request_and_receiver_serves_next(transport
         stalled = Peer(sender_main, transport, LAYOUT, SEND_BLOCKS, address, [("victim", list(range(6)),
                        list(range(6)))], 7, WAIT, 2)
         stalled.expect("stalled")
-        time.sleep(0.2)
+        _wait_landed(recv, "victim", 2)  # the receiver holds part of the request: it knows who was feeding it
         os.kill(stalled.proc.pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        msg = recv.expect("failed", timeout=10)
+        msg = recv.expect("failed")
         assert msg[1] == "victim" and msg[2] == "PeerDisconnected"
-        assert time.monotonic() - t0 < 10
         job = ("next", [5, 9, 11], [30, 31, 32])
         recv.pipe.send(("expect", job[0], job[2], None))
         ok = Peer(sender_main, transport, LAYOUT, SEND_BLOCKS, address, [job], 99, WAIT)
@@ -218,10 +227,8 @@ def test_sender_fails_within_timeout_when_receiver_never_answers():
     port = silent.getsockname()[1]
     peer = Peer(sender_main, "tcp", LAYOUT, SEND_BLOCKS, f"tcp://127.0.0.1:{port}", [("r", [1], [1])], 0, 1.0)
     try:
-        t0 = time.monotonic()
-        msg = peer.expect("send_failed", timeout=15)
+        msg = peer.expect("send_failed")
         assert msg[2] == "TransferTimeout"
-        assert time.monotonic() - t0 < 10
         assert peer.expect("connections")[1] == 0
         assert peer.expect("finished")[1] == []
     finally:

@@ -1,0 +1,94 @@
+"""The paged KV cache's memory layout: the one definition the engine, the kernels and kvtransfer all read.
+
+The cache is one tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` (so a transport
+registers a single region); `cache[layer]` is `[2, num_blocks, ...]`, K then V, the layout every attention
+backend reads. Two sizes have names of their own:
+
+- a **page** is one block's K (or V) in one layer: `page_nbytes` bytes, the unit a KV transfer moves;
+- a **block** is one block across every layer, K and V: `block_nbytes` bytes, the unit the memory budget buys.
+
+Two caches are compatible when everything but the number of blocks matches: then block i of one can be copied
+byte for byte into block j of the other. The fingerprint names exactly those fields.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+
+
+class LayoutMismatch(ValueError):
+    """Two caches differ in a way that would turn copied bytes into garbage."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model: str
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int = 0  # this side's pool size; not part of the fingerprint
+    device: str = "cpu"  # memory kind ("cpu" or "cuda"): part of the fingerprint, transports move it differently
+
+    @classmethod
+    def of(cls, cache: torch.Tensor, model: str) -> "KVLayout":
+        layers, two, blocks, block_size, heads, dim = cache.shape
+        if two != 2 or not cache.is_contiguous():
+            raise ValueError("KV cache must be a contiguous [layers, 2, blocks, block_size, heads, dim] tensor")
+        return cls(model, str(cache.dtype).removeprefix("torch."), layers, block_size, heads, dim, blocks,
+                   cache.device.type)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one block's K (or V) in one layer."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across every layer, K and V."""
+        return self.num_layers * 2 * self.page_nbytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def with_blocks(self, num_blocks: int) -> "KVLayout":
+        return replace(self, num_blocks=num_blocks)
+
+    def allocate(self, device: str | torch.device | None = None) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.torch_dtype, device=device or self.device)
+
+    def compatibility_fields(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "num_blocks"}
+
+    @property
+    def fingerprint(self) -> str:
+        blob = json.dumps(self.compatibility_fields(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KVLayout":
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+    def check_compatible(self, other: "KVLayout") -> None:
+        """Raise LayoutMismatch naming every field that differs."""
+        mine, theirs = self.compatibility_fields(), other.compatibility_fields()
+        diff = [f"{k}: {mine[k]!r} here vs {theirs[k]!r} there" for k in mine if mine[k] != theirs[k]]
+        if diff:
+            raise LayoutMismatch("KV layout mismatch (" + "; ".join(diff) + ")")
