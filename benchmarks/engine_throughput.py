@@ -58,7 +58,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from engine.config import EngineConfig, parse_dtype
-    from engine.llm_engine import LLMEngine
+    from engine.engine_core import EngineCore
     from engine.model_store import resolve_model
 
     if args.threads:
@@ -66,7 +66,7 @@ def main() -> None:
     path = resolve_model(None)
     dtype = parse_dtype(args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
-    engine = LLMEngine(EngineConfig(model=str(path), dtype=args.dtype, max_num_seqs=max(args.batches),
+    engine = EngineCore(EngineConfig(model=str(path), dtype=args.dtype, max_num_seqs=max(args.batches),
                                     kv_cache_memory=1 << 30))
     bench_engine(engine, _prompts(2, 16, 0), 4)  # warm-up
     rows = []

@@ -9,11 +9,10 @@ from typing import Sequence
 
 import grpc
 
-from decode_service.colocated_worker import ColocatedWorker
 from decode_service.worker import DecodeWorker, PoolExhausted, TokenEvent
 from engine.config import EngineConfig
 from kvtransfer.errors import TransferError
-from pdserve.grpc_server import CHANNEL_OPTIONS, start_server
+from pdserve.grpc_server import CHANNEL_OPTIONS, RunningServer, start_server
 from pdserve.tracing import Tracing
 from pdserve.wire import (FINISH_REASONS, PrefillJob, PrefillResult, job_to_proto, logprob_to_proto,
                           result_from_proto, sampling_from_proto)
@@ -48,30 +47,26 @@ class PrefillClients:
         await asyncio.gather(*(c.close() for c in self._channels), return_exceptions=True)
 
 
-def _response(event: TokenEvent, with_logprobs: bool) -> worker_pb2.DecodeResponse:
-    msg = worker_pb2.DecodeResponse(token_ids=[event.sample.token_id], finish_reason=FINISH_REASONS[event.finish_reason],
-                                    cached_prompt_tokens=event.cached_prompt_tokens)
+def _response(events: list[TokenEvent], with_logprobs: bool) -> worker_pb2.DecodeResponse:
+    msg = worker_pb2.DecodeResponse(token_ids=[e.sample.token_id for e in events],
+                                    finish_reason=FINISH_REASONS[events[-1].finish_reason],
+                                    cached_prompt_tokens=events[0].cached_prompt_tokens)
     if with_logprobs:
-        msg.logprobs.append(logprob_to_proto(event.sample))
+        msg.logprobs.extend(logprob_to_proto(e.sample) for e in events)
     return msg
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
-    """Serves a DecodeWorker (which pulls KV from prefill workers) or a ColocatedWorker (which prefills itself)."""
-
-    def __init__(self, worker: DecodeWorker | ColocatedWorker) -> None:
+    def __init__(self, worker: DecodeWorker) -> None:
         self.worker = worker
-        self.needs_prefill = isinstance(worker, DecodeWorker)
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or uuid.uuid4().hex
         params = sampling_from_proto(request.sampling)
-        if self.needs_prefill and not request.prefill_address:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prefill_address is required")
         try:
-            async for event in self.worker.generate(rid, list(request.prompt_token_ids), params,
-                                                    request.prefill_address):
-                yield _response(event, params.logprobs is not None)
+            async for events in self.worker.generate(rid, list(request.prompt_token_ids), params,
+                                                     request.prefill_address):
+                yield _response(events, params.logprobs is not None)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except PoolExhausted as e:
@@ -87,30 +82,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
 
 async def serve(cfg: EngineConfig, host: str, port: int, transport: str, kv_host: str, max_queued: int = 256,
-                prefill_timeout: float = 600.0, tracing: Tracing | None = None
-                ) -> tuple[grpc.aio.Server, int, DecodeWorker, PrefillClients]:
-    tracing = tracing or Tracing("pdserve-decode")
-    clients = PrefillClients(prefill_timeout, tracing.client_interceptors())
-    worker = DecodeWorker(cfg, clients, transport=transport, host=kv_host, max_queued=max_queued,
-                          tracer=tracing.tracer)
+                prefill_timeout: float = 600.0, tracing: Tracing | None = None, colocated: bool = False,
+                local_prefill_max_tokens: int = 0, reflection: bool = False
+                ) -> tuple[RunningServer, DecodeWorker, PrefillClients | None]:
+    """A decode worker (or, `colocated`, one that prefills every prompt itself and runs no KV receiver)."""
+    tracing = tracing or Tracing("pdserve-colocated" if colocated else "pdserve-decode")
+    clients = None if colocated else PrefillClients(prefill_timeout, tracing.client_interceptors())
+    worker = DecodeWorker(cfg, clients, transport=transport, kv_host=kv_host, max_queued=max_queued,
+                          local_prefill_max_tokens=local_prefill_max_tokens, tracer=tracing.tracer)
     await worker.start()
-    server, bound, _ = await start_server(
+    running = await start_server(
         host, port, lambda s: worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(worker), s),
         [worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name],
-        interceptors=tracing.server_interceptors())
-    log.info("decode worker on %s:%d, KV receiver at %s", host, bound, worker.receiver.address)
-    return server, bound, worker, clients
-
-
-async def serve_colocated(cfg: EngineConfig, host: str, port: int, max_queued: int = 256,
-                          tracing: Tracing | None = None) -> tuple[grpc.aio.Server, int, ColocatedWorker]:
-    """A worker that prefills and decodes itself, behind the same DecodeService."""
-    tracing = tracing or Tracing("pdserve-colocated")
-    worker = ColocatedWorker(cfg, max_queued=max_queued, tracer=tracing.tracer)
-    await worker.start()
-    server, bound, _ = await start_server(
-        host, port, lambda s: worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(worker), s),
-        [worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name],
-        interceptors=tracing.server_interceptors())
-    log.info("colocated worker on %s:%d", host, bound)
-    return server, bound, worker
+        interceptors=tracing.server_interceptors(), enable_reflection=reflection)
+    worker.loop.on_fatal = running.fail
+    if worker.receiver is not None:
+        log.info("decode worker on %s:%d, KV receiver at %s", host, running.port, worker.receiver.address)
+    else:
+        log.info("colocated worker on %s:%d", host, running.port)
+    return running, worker, clients

@@ -100,13 +100,6 @@ class BlockAllocator:
             out.append(block)
         return out
 
-    def share(self, block_ids: Iterable[int]) -> None:
-        """Add an owner to blocks that are already owned (e.g. a forked sequence)."""
-        for b in block_ids:
-            if self.ref_counts[b] <= 0:
-                raise BlockOwnershipError(f"block {b} is not allocated")
-            self.ref_counts[b] += 1
-
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one owner of each block; the last owner's release returns it to a queue.
 
@@ -169,15 +162,6 @@ class BlockAllocator:
             if self.block_hash[block] is None and h not in self._cached:
                 self.block_hash[block] = h
                 self._cached[h] = block
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (blocks in use keep their data but are no longer shared)."""
-        for b in list(self._evictable):
-            self._evictable.pop(b)
-            self._free[b] = None
-        for h, b in list(self._cached.items()):
-            self.block_hash[b] = None
-        self._cached.clear()
 
     def _uncache(self, block: int) -> None:
         h = self.block_hash[block]

@@ -7,10 +7,12 @@ from a model hub.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
 import os
 from pathlib import Path
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -69,19 +71,37 @@ def _swap(tmp: Path, out_dir: Path) -> None:
     os.replace(tmp, out_dir)
 
 
+def _converted(gguf: Callable[[], Path], out: Path) -> Path:
+    """The converted copy of a GGUF at `out`, converting it first if needed. A file lock makes processes that
+    start together (a stack on a fresh machine) convert once and wait for each other, not race."""
+    if _is_complete(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not _is_complete(out):
+                convert_gguf(gguf(), out)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return out
+
+
+def needs_conversion(model: str | None) -> bool:
+    """Whether `resolve_model(model)` will first convert a GGUF checkpoint (tens of seconds, once)."""
+    if model in (None, "", "default", DEFAULT_MODEL):
+        return not _is_complete(cache_dir() / "models" / DEFAULT_MODEL)
+    path = Path(model).expanduser()
+    return path.is_file() and path.suffix == ".gguf" and not _is_complete(cache_dir() / "models" / path.stem)
+
+
 def resolve_model(model: str | None) -> Path:
     """Turn a model argument (None/"default"/the default name, or a directory) into a loadable directory."""
     if model in (None, "", "default", DEFAULT_MODEL):
-        out = cache_dir() / "models" / DEFAULT_MODEL
-        if not _is_complete(out):
-            convert_gguf(_bundled_gguf(), out)
-        return out
+        return _converted(_bundled_gguf, cache_dir() / "models" / DEFAULT_MODEL)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        out = cache_dir() / "models" / path.stem
-        if not _is_complete(out):
-            convert_gguf(path, out)
-        return out
+        return _converted(lambda: path, cache_dir() / "models" / path.stem)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model {model!r}: not a directory with config.json, a .gguf file, or 'default'")
     return path

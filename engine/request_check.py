@@ -8,14 +8,22 @@ from engine.sampling_params import SamplingParams
 
 
 def check_request(token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                  pool_tokens: int) -> None:
-    """ValueError, naming what is wrong, for a request that no amount of waiting would let run."""
+                  pool_tokens: int, new_tokens: int | None = None) -> None:
+    """ValueError, naming what is wrong, for a request that no amount of waiting would let run: its prompt
+    plus `max_tokens` must fit the model's context and, since one sequence may hold the whole pool, the pool.
+    `new_tokens` is how many tokens this engine will add (a prefill worker: 1); default `max_tokens`."""
     params.validate(vocab_size)
     if not token_ids:
         raise ValueError("prompt is empty")
     if any(not 0 <= t < vocab_size for t in token_ids):
         raise ValueError(f"prompt has token ids outside [0, {vocab_size})")
-    if len(token_ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(token_ids)} tokens; the model context is {max_model_len}")
-    if len(token_ids) + 1 > pool_tokens:
-        raise ValueError(f"prompt has {len(token_ids)} tokens; the KV pool holds {pool_tokens}")
+    n = len(token_ids)
+    if n >= max_model_len:
+        raise ValueError(f"prompt has {n} tokens; the model context is {max_model_len}")
+    if n + params.max_tokens > max_model_len:
+        raise ValueError(f"max_tokens {params.max_tokens} + prompt {n} tokens exceeds the model context "
+                         f"({max_model_len} tokens)")
+    grow = params.max_tokens if new_tokens is None else new_tokens
+    if n + grow > pool_tokens:
+        raise ValueError(f"{'max_tokens' if new_tokens is None else 'new tokens'} {grow} + prompt {n} tokens "
+                         f"exceeds this worker's KV pool ({pool_tokens} tokens)")

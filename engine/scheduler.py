@@ -21,6 +21,7 @@ from engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    sampling: list[bool] = field(default_factory=list)  # does sequence i reach its last token (and sample)?
     preempted: list[Sequence] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -30,10 +31,14 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+        self.sampling.append(seq.num_computed_tokens + n == len(seq.token_ids))
+
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its last known token this step (and so samples the next one)."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == len(seq.token_ids)
+        return self.sampling[i]
 
 
 class Scheduler:
@@ -57,7 +62,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, admit_waiting: bool = True) -> ScheduledBatch:
+    def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         i = 0
@@ -66,11 +71,10 @@ class Scheduler:
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if not self._reserve(seq, seq.num_computed_tokens + n, batch):
                 continue  # seq itself was preempted; self.running shrank
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            batch.add(seq, n)
             budget -= n
             i += 1
-        while admit_waiting and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
                 and not batch.preempted:
             seq = self.waiting[0]
             try:
@@ -85,8 +89,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
+            batch.add(seq, n)
             budget -= n
         return batch
 
@@ -105,30 +108,28 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)
+        self.release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire a sequence (done, or aborted) and free its blocks; safe to call in any state."""
+    def finish(self, seq: Sequence, reason: str, free: bool = True) -> None:
+        """Retire a sequence (done, or aborted); safe to call in any state. With `free=False` its blocks stay
+        allocated for the caller, who hands them back with `release`."""
         if seq.is_finished:
             return
-        if seq in self.running:
+        if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
+        if free:
+            self.release(seq)
         seq.finish_reason = seq.finish_reason or reason
         seq.status = SequenceStatus.FINISHED
 
-    def detach(self, seq: Sequence) -> None:
-        """Take a running sequence out of scheduling but leave its blocks allocated (the caller frees them)."""
-        self.running.remove(seq)
-        seq.status = SequenceStatus.FINISHED
-
-    def _release(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
+        """Hand a sequence's blocks back to the allocator."""
         self.allocator.free(seq.block_ids)
         seq.block_ids, seq.block_hashes = [], []
 

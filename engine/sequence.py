@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
-from engine.sampler import SampleOutput
 from engine.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
@@ -16,21 +18,22 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests with equal tokens are still two sequences
 class Sequence:
-    request_id: str
+    request_id: str  # the caller's name for it, for logs; never a key (callers may reuse ids)
     token_ids: list[int]  # prompt followed by every sampled token
     params: SamplingParams
     num_prompt_tokens: int = -1
+    prefill_only: bool = False  # a prefill worker's job: done after one token, blocks kept until its KV is sent
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of the prompt, taken from the prefix cache
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    logprobs: list[SampleOutput] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -52,14 +55,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append(self, sample: SampleOutput, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+    def append(self, token_id: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
         """Add a sampled token and decide whether the sequence is done."""
-        self.token_ids.append(sample.token_id)
-        if self.params.logprobs is not None:
-            self.logprobs.append(sample)
-        token, n = sample.token_id, self.num_output_tokens
+        self.token_ids.append(token_id)
+        n = self.num_output_tokens
         if n >= self.params.min_tokens and (
-            (not self.params.ignore_eos and token in eos_token_ids) or token in self.params.stop_token_ids
+            (not self.params.ignore_eos and token_id in eos_token_ids) or token_id in self.params.stop_token_ids
         ):
             self.finish_reason = "stop"
         elif n >= self.params.max_tokens or len(self.token_ids) >= max_model_len:

@@ -8,8 +8,8 @@ import grpc
 
 from engine.config import EngineConfig
 from kvtransfer.errors import TransferError
-from kvtransfer.layout import LayoutMismatch
-from pdserve.grpc_server import start_server
+from kernels.kv_layout import LayoutMismatch
+from pdserve.grpc_server import RunningServer, start_server
 from pdserve.tracing import Tracing
 from pdserve.wire import job_from_proto, result_to_proto
 from prefill_service.worker import PrefillWorker, QueueFull
@@ -39,14 +39,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         return worker_pb2.WorkerStats(**self.worker.stats())
 
 
-async def serve(cfg: EngineConfig, host: str, port: int, transport: str, tracing: Tracing | None = None
-                ) -> tuple[grpc.aio.Server, int, PrefillWorker]:
+async def serve(cfg: EngineConfig, host: str, port: int, transport: str, tracing: Tracing | None = None,
+                reflection: bool = False) -> tuple[RunningServer, PrefillWorker]:
     tracing = tracing or Tracing("pdserve-prefill")
     worker = PrefillWorker(cfg, transport=transport, tracer=tracing.tracer)
     await worker.start()
-    server, bound, _ = await start_server(
+    running = await start_server(
         host, port, lambda s: worker_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(worker), s),
         [worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name],
-        interceptors=tracing.server_interceptors())
-    log.info("prefill worker on %s:%d", host, bound)
-    return server, bound, worker
+        interceptors=tracing.server_interceptors(), enable_reflection=reflection)
+    worker.loop.on_fatal = running.fail
+    log.info("prefill worker on %s:%d", host, running.port)
+    return running, worker

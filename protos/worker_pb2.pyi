@@ -32,14 +32,16 @@ class DecodeResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("address", "block_ids", "layout_fingerprint")
+    __slots__ = ("address", "block_ids", "layout_fingerprint", "transfer_id")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     layout_fingerprint: str
-    def __init__(self, address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_fingerprint: _Optional[str] = ...) -> None: ...
+    transfer_id: str
+    def __init__(self, address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_fingerprint: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "kv_target")
@@ -88,7 +90,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "model", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "block_size", "running", "waiting", "tokens_held", "prefix_hit_tokens", "requests_total", "kv_address", "max_model_len", "pending_transfers", "preemptions_total")
+    __slots__ = ("role", "model", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "block_size", "running", "waiting", "prefix_hit_tokens", "requests_total", "kv_address", "max_model_len", "pending_transfers", "preemptions_total", "local_prefills_total", "remote_prefills_total")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -97,13 +99,14 @@ class WorkerStats(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_HELD_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     PENDING_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILLS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFILLS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     kv_blocks_total: int
@@ -112,11 +115,12 @@ class WorkerStats(_message.Message):
     block_size: int
     running: int
     waiting: int
-    tokens_held: int
     prefix_hit_tokens: int
     requests_total: int
     kv_address: str
     max_model_len: int
     pending_transfers: int
     preemptions_total: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., tokens_held: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., kv_address: _Optional[str] = ..., max_model_len: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., preemptions_total: _Optional[int] = ...) -> None: ...
+    local_prefills_total: int
+    remote_prefills_total: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., kv_address: _Optional[str] = ..., max_model_len: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., local_prefills_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ...) -> None: ...

@@ -12,7 +12,7 @@ BS = 4
 
 
 class AllocatorMachine(RuleBasedStateMachine):
-    """Random alloc / share / free / evict against a model of who owns what."""
+    """Random alloc / prefix-share / free / evict against a model of who owns what."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -38,13 +38,6 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.owners.append((self.alloc.allocate(n), []))
         except NoFreeBlocks:
             assert n > self.alloc.num_free_blocks
-
-    @precondition(lambda self: self.owners)
-    @rule(i=st.integers(0, 100))
-    def share(self, i):
-        blocks, tokens = self.owners[i % len(self.owners)]
-        self.alloc.share(blocks)
-        self.owners.append((list(blocks), tokens))
 
     @precondition(lambda self: self.owners)
     @rule(i=st.integers(0, 100))
@@ -120,8 +113,6 @@ def test_double_free_and_use_after_free_are_errors():
     a.free(blocks)
     with pytest.raises(BlockOwnershipError):
         a.free(blocks)
-    with pytest.raises(BlockOwnershipError):
-        a.share(blocks)
     with pytest.raises(BlockOwnershipError):
         a.cache_blocks(blocks, [], list(range(8)), 8)
 

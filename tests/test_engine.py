@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.engine_core import EngineCore
 from engine.model import load_model
 from engine.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
@@ -21,8 +22,8 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 256) for _ in range(rng.randrange(1, 70))] for _ in range(n)]
 
 
-def _engine(path, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), **kw))
+def _engine(path, **kw) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(path), **kw))
 
 
 def test_loads_hf_directory_with_identical_logits(tiny_model_dir, tiny_hf_model):
@@ -33,7 +34,7 @@ def test_loads_hf_directory_with_identical_logits(tiny_model_dir, tiny_hf_model)
     from engine.sequence import Sequence
 
     seq = Sequence("a", ids, GREEDY, block_ids=engine.allocator.allocate(8))
-    batch = ScheduledBatch([seq], [len(ids)])
+    batch = ScheduledBatch([seq], [len(ids)], [True])
     inputs = engine.runner.prepare(batch)
     inputs.logits_indices = torch.arange(len(ids))
     logits = engine.runner.forward(inputs)
@@ -58,16 +59,14 @@ def test_preemption_recomputes_and_stays_exact(tiny_model_dir, tiny_hf_model):
     prompts = _prompts(6, seed=1)
     engine = _engine(tiny_model_dir, num_blocks=40, block_size=4)
     preempted = 0
-    ids = [engine.add_request(p, GREEDY) for p in prompts]
-    results = {i: [] for i in ids}
+    seqs = [engine.add_request(p, GREEDY) for p in prompts]
     while engine.has_work:
-        for out in engine.step():
-            results[out.request_id].extend(out.new_token_ids)
+        engine.step()
         preempted = max(preempted, sum(s.num_preemptions for s in engine.scheduler.running))
         engine.allocator.check_invariants()
     assert preempted > 0, "pool was meant to be too small for all sequences at once"
-    for prompt, rid in zip(prompts, ids):
-        assert results[rid] == hf_greedy(tiny_hf_model, prompt, GREEDY.max_tokens)
+    for prompt, seq in zip(prompts, seqs):
+        assert seq.output_ids == hf_greedy(tiny_hf_model, prompt, GREEDY.max_tokens)
     assert engine.allocator.num_used_blocks == 0
 
 
@@ -76,36 +75,56 @@ def test_prefix_cache_reuses_blocks_and_keeps_output(tiny_model_dir, tiny_hf_mod
     shared = list(range(10, 50))
     a, b = shared + [60, 61], shared + [70, 71, 72]
     first = engine.generate([a], GREEDY)[0]
-    rid = engine.add_request(b, GREEDY)
-    seq = engine.scheduler.waiting[0]
+    seq = engine.add_request(b, GREEDY)
     out = []
     while engine.has_work:
-        for o in engine.step():
-            out.extend(o.new_token_ids)
+        out.extend(o.token_id for o in engine.step())
     assert seq.num_cached_tokens == 40
     assert first == hf_greedy(tiny_hf_model, a, GREEDY.max_tokens)
     assert out == hf_greedy(tiny_hf_model, b, GREEDY.max_tokens)
-    assert rid == seq.request_id
 
 
 def test_abort_frees_blocks(tiny_model_dir):
     engine = _engine(tiny_model_dir, num_blocks=64, block_size=4)
-    rid = engine.add_request(list(range(3, 30)), GREEDY)
+    seq = engine.add_request(list(range(3, 30)), GREEDY)
     engine.step()
     assert engine.allocator.num_used_blocks > 0
-    engine.abort(rid)
+    engine.abort(seq)
     assert engine.allocator.num_used_blocks == 0
     assert not engine.has_work
 
 
-def test_stops_on_eos_and_stop_ids(tiny_model_dir):
-    engine = _engine(tiny_model_dir, num_blocks=64, block_size=4)
+def test_stops_on_eos_and_stop_ids(tiny_model_dir, tmp_path):
     prompt = list(range(3, 20))
-    free = engine.generate([prompt], GREEDY)[0]
-    stop_at = free[5]
-    out = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop_at,)))[0]
-    assert out == free[: free.index(stop_at) + 1]
-    assert len(engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0]) <= 3
+    free = _engine(tiny_model_dir, num_blocks=64, block_size=4).generate([prompt], GREEDY)[0]
+    firsts = sorted({t: free.index(t) for t in free}.items(), key=lambda kv: kv[1])
+    later = [t for t, i in firsts if i >= 2]
+    assert len(later) >= 2, f"greedy output too repetitive to pick stop tokens from: {free}"
+    eos, stop_at = later[0], later[1]
+    # a copy of the model whose end-of-sequence token is one that greedy decoding reaches after a few steps
+    for f in tiny_model_dir.iterdir():
+        if f.name not in ("config.json", "generation_config.json"):
+            (tmp_path / f.name).symlink_to(f)
+    for name in ("config.json", "generation_config.json"):
+        if (tiny_model_dir / name).is_file():
+            config = json.loads((tiny_model_dir / name).read_text())
+            (tmp_path / name).write_text(json.dumps({**config, "eos_token_id": eos}))
+    engine = _engine(tmp_path, num_blocks=64, block_size=4)
+
+    def run(params: SamplingParams) -> tuple[list[int], str | None]:
+        seq = engine.add_request(prompt, params)
+        while engine.has_work:
+            engine.step()
+        return seq.output_ids, seq.finish_reason
+
+    assert run(SamplingParams(max_tokens=24, temperature=0.0)) == (free[: free.index(eos) + 1], "stop")
+    assert run(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) == (free, "length")
+    assert run(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_at,))) == (
+        free[: free.index(stop_at) + 1], "stop")
+    held, _ = run(SamplingParams(max_tokens=24, temperature=0.0, min_tokens=free.index(eos) + 2))
+    assert len(held) > free.index(eos) + 1  # EOS is not allowed before min_tokens
+    assert run(SamplingParams(max_tokens=2, temperature=0.0)) == (free[:2], "length")
+    assert engine.allocator.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("prompt,params,match", [

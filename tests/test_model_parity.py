@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.engine_core import EngineCore
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -41,11 +41,11 @@ def prompts(model_dir) -> list[list[int]]:
 
 def test_logits_match_transformers(model_dir, hf_model, prompts):
     """One forward over three prompts of different lengths in a single flat batch."""
-    engine = LLMEngine(EngineConfig(model=str(model_dir), num_blocks=64))
+    engine = EngineCore(EngineConfig(model=str(model_dir), num_blocks=64))
     chosen = prompts[:3]
     seqs = [Sequence(str(i), p, SamplingParams(), block_ids=engine.allocator.allocate(-(-len(p) // 16)))
             for i, p in enumerate(chosen)]
-    inputs = engine.runner.prepare(ScheduledBatch(seqs, [len(p) for p in chosen]))
+    inputs = engine.runner.prepare(ScheduledBatch(seqs, [len(p) for p in chosen], [True] * len(seqs)))
     inputs.logits_indices = torch.arange(sum(len(p) for p in chosen))
     logits = engine.runner.forward(inputs)
     worst = 0.0
@@ -64,16 +64,16 @@ def test_greedy_mixed_batch_matches_transformers_token_for_token(model_dir, hf_m
     """8 prompts, 64 tokens each, joining the running batch at different steps."""
     n = 64
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), max_num_batched_tokens=96))
+    engine = EngineCore(EngineConfig(model=str(model_dir), max_num_batched_tokens=96))
     results: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))
     step = 0
     while pending or engine.has_work:
         if pending and step % 3 == 0:
             i, p = pending.pop(0)
-            results[engine.add_request(p, params, request_id=str(i))] = []
+            results[engine.add_request(p, params, request_id=str(i)).request_id] = []
         for out in engine.step():
-            results[out.request_id].extend(out.new_token_ids)
+            results[out.request_id].append(out.token_id)
         step += 1
     for i, p in enumerate(prompts):
         assert results[str(i)] == hf_greedy(hf_model, p, n), f"prompt {i} diverged"

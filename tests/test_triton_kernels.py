@@ -17,12 +17,8 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 from kernels.cache_ops import pack_blocks, store_kv, unpack_blocks  # noqa: E402
 from kernels.paged_attention import paged_attention  # noqa: E402
-from kernels.rms_norm import add_rms_norm  # noqa: E402
-from kernels.rotary import apply_rope, rope_cache, rope_for_positions  # noqa: E402
 from kernels.triton_kv_blocks import pack_blocks as triton_pack, unpack_blocks as triton_unpack  # noqa: E402
 from kernels.triton_paged_attention import paged_decode_attention  # noqa: E402
-from kernels.triton_rms_norm import fused_add_rms_norm  # noqa: E402
-from kernels.triton_rotary import apply_rope_inplace  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
@@ -92,36 +88,6 @@ def test_kv_pack_of_a_cache_slice_reads_the_right_layer():
     assert torch.equal(triton_pack(cache[1], ids), pack_blocks(cache[1], ids))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("hidden", [64, 96])
-def test_fused_add_rms_norm_matches_reference(dtype, hidden):
-    gen = torch.Generator().manual_seed(hidden)
-    x = torch.randn(5, hidden, generator=gen).to(dtype)
-    residual = torch.randn(5, hidden, generator=gen).to(dtype)
-    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
-    want_out, want_res = add_rms_norm(x, residual.clone(), weight, 1e-5)
-    res = residual.clone()
-    out, res_out = fused_add_rms_norm(x, res, weight, 1e-5)
-    assert res_out.data_ptr() == res.data_ptr()  # updated in place
-    torch.testing.assert_close(res, want_res, **TOL[dtype])
-    torch.testing.assert_close(out, want_out, **TOL[dtype])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 32), (3, 1, 64)])
-def test_rope_in_place_matches_reference(dtype, heads, kv_heads, dim):
-    gen = torch.Generator().manual_seed(dim + heads)
-    table = rope_cache(dim, 128, 10000.0)
-    positions = torch.tensor([0, 3, 17, 64, 127, 5])
-    cos, sin = rope_for_positions(table, positions, dtype)
-    q = torch.randn(len(positions), heads, dim, generator=gen).to(dtype)
-    k = torch.randn(len(positions), kv_heads, dim, generator=gen).to(dtype)
-    want_q, want_k = apply_rope(q.float(), k.float(), cos.float(), sin.float())
-    apply_rope_inplace(q, k, cos, sin)
-    torch.testing.assert_close(q.float(), want_q, **TOL[dtype])
-    torch.testing.assert_close(k.float(), want_k, **TOL[dtype])
-
-
 def test_decode_after_store_kv_reads_what_was_written():
     """store_kv then the Triton decode kernel: the engine's decode step on the same cache layout."""
     gen = torch.Generator().manual_seed(3)
@@ -156,14 +122,14 @@ def test_engine_greedy_with_triton_backend_equals_torch_backend(tiny_model_dir, 
     """The whole engine (chunked prefill + continuous batching) gives the same tokens through the Triton
     decode kernel as through the torch reference."""
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.engine_core import EngineCore
     from engine.sampling_params import SamplingParams
 
     prompts = [[5, 17, 99, 3], list(range(10, 47)), [200] * 20]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outputs = {}
     for backend in ("torch", "triton"):
-        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=block_size, num_blocks=32,
+        engine = EngineCore(EngineConfig(model=str(tiny_model_dir), block_size=block_size, num_blocks=32,
                                         max_num_batched_tokens=24, attention_backend=backend))
         assert engine.runner.backend.name == backend
         outputs[backend] = engine.generate(prompts, params)

@@ -1,0 +1,147 @@
+"""Serving an engine core from asyncio: the one continuous-batching loop every worker role runs.
+
+The loop task schedules and accounts on the event loop and runs each forward on one model thread, so torch
+never blocks the event loop and scheduler state has a single owner. Each sequence handed in comes with a sink,
+a callback that receives its new tokens (or the error that ended it). A step that raises fails only the
+sequences it held; a loop that dies for any other reason fails every sequence, records why, and calls
+`on_fatal`, so the process can stop serving instead of answering health checks while doing nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from engine.engine_core import EngineCore, StepOutput
+from engine.model_runner import LayerHook
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[StepOutput | BaseException], None]
+LayerHooks = Callable[[ScheduledBatch], LayerHook | None]
+StepObserver = Callable[[ScheduledBatch, float], None]
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, name: str, layer_hooks: LayerHooks | None = None,
+                 on_step: StepObserver | None = None, on_fatal: Callable[[BaseException], None] | None = None,
+                 on_blocks_freed: Callable[[], None] | None = None) -> None:
+        self.core = core
+        self.name = name
+        self.layer_hooks = layer_hooks
+        self.on_step = on_step
+        self.on_fatal = on_fatal
+        self.on_blocks_freed = on_blocks_freed
+        self.error: BaseException | None = None  # why the loop died, if it did
+        self._sinks: dict[Sequence, Sink] = {}
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-model")
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._closing = False
+
+    # ---- life cycle ----------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"{self.name}-loop")
+
+    async def stop(self) -> None:
+        self._closing = True
+        self._wakeup.set()
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    # ---- requests ------------------------------------------------------------------------------------------
+
+    def submit(self, seq: Sequence, sink: Sink, prefilled: bool = False) -> None:
+        """Run `seq` (its KV already written for every token but the last when `prefilled`); `sink` gets each
+        of its new tokens, the last one with `finished` set, or the exception that ended it."""
+        if self.error is not None:
+            raise RuntimeError(f"{self.name} engine loop is not running: {self.error!r}")
+        self._sinks[seq] = sink
+        if prefilled:
+            self.core.add_prefilled(seq)
+        else:
+            self.core.add(seq)
+        self._wakeup.set()
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop `seq` now (or after the forward in flight) and free its blocks; its sink hears nothing more.
+        Also hands back the blocks a finished `prefill_only` sequence kept."""
+        self._sinks.pop(seq, None)
+        if seq.is_finished and not seq.block_ids:
+            return
+        self.core.abort(seq)
+        self.blocks_freed()
+
+    def blocks_freed(self) -> None:
+        """Blocks went back to the pool: the scheduler (and anyone else waiting for blocks) may look again."""
+        self._wakeup.set()
+        if self.on_blocks_freed is not None:
+            self.on_blocks_freed()
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._sinks)
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            await self._serve()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - the loop is dead: say so loudly, fail everyone, stop serving
+            self.error = e
+            log.critical("%s engine loop died: %r", self.name, e, exc_info=True)
+            sinks, self._sinks = self._sinks, {}
+            for sink in sinks.values():
+                sink(RuntimeError(f"{self.name} worker failed: {e!r}"))
+            if self.on_fatal is not None:
+                self.on_fatal(e)
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        core = self.core
+        while not self._closing:
+            batch = core.schedule()
+            if not batch.seqs:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            hook = self.layer_hooks(batch) if self.layer_hooks is not None else None
+            start = time.perf_counter()
+            try:
+                samples = await loop.run_in_executor(self._executor, core.execute, batch, hook)
+            except Exception as e:  # noqa: BLE001 - a failed forward fails the requests in it, not the worker
+                log.exception("%s step failed; failing its %d requests", self.name, len(batch.seqs))
+                for seq in core.fail(batch):
+                    self._deliver(seq, e)
+                self.blocks_freed()
+                continue
+            free_before = core.allocator.num_free_blocks
+            outputs = core.update(batch, samples)
+            if self.on_step is not None:
+                self.on_step(batch, time.perf_counter() - start)
+            for out in outputs:
+                sink = self._sinks.pop(out.seq, None) if out.finished else self._sinks.get(out.seq)
+                if sink is not None:
+                    sink(out)
+            if core.allocator.num_free_blocks > free_before:
+                self.blocks_freed()
+            await asyncio.sleep(0)  # let RPC handlers and transfers run between steps
+
+    def _deliver(self, seq: Sequence, error: BaseException) -> None:
+        sink = self._sinks.pop(seq, None)
+        if sink is not None:
+            sink(error)
