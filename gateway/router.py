@@ -64,11 +64,12 @@ class Router:
 
     def __init__(self, prefill: list[str], decode: list[str], poll_interval: float = 1.0,
                  interceptors: Sequence[grpc.aio.ClientInterceptor] = (), discover: bool = False,
-                 resolve: Resolver = resolve_ipv4) -> None:
+                 resolve: Resolver = resolve_ipv4, probe_interval: float = 0.5) -> None:
         if not decode:
             raise ValueError("need at least one decode worker address (and prefill workers, unless the decode "
                              "workers are colocated)")
         self.poll_interval = poll_interval
+        self.probe_interval = min(probe_interval, poll_interval)
         self.interceptors = list(interceptors)
         self.discover = discover
         self._resolve = resolve
@@ -98,9 +99,24 @@ class Router:
         await asyncio.gather(*(w.channel.close() for w in self.workers), return_exceptions=True)
 
     async def _poll_forever(self) -> None:
+        """Every worker each `poll_interval`; workers that are down (or not up yet) every `probe_interval`, so
+        one that comes (back) up takes traffic within a fraction of a second."""
+        loop = asyncio.get_running_loop()
+        next_full = loop.time() + self.poll_interval
         while True:
-            await asyncio.sleep(self.poll_interval)
-            await self.poll()
+            await asyncio.sleep(min(self.probe_interval, max(0.0, next_full - loop.time())))
+            if loop.time() >= next_full:
+                next_full = loop.time() + self.poll_interval
+                await self.poll()
+            else:
+                await self.poll(only_down=True)
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """(role, "healthy" | "down") -> how many workers."""
+        out = {(role, state): 0 for role in ("prefill", "decode") for state in ("healthy", "down")}
+        for w in self.workers:
+            out[(w.role, "healthy" if w.healthy else "down")] += 1
+        return out
 
     async def _rediscover(self) -> None:
         for role, names in self._names.items():
@@ -126,8 +142,8 @@ class Router:
                     handles.remove(w)
                     await w.channel.close()
 
-    async def poll(self) -> None:
-        if self.discover:
+    async def poll(self, only_down: bool = False) -> None:
+        if self.discover and not only_down:
             await self._rediscover()
 
         async def one(w: WorkerHandle) -> None:
@@ -141,16 +157,22 @@ class Router:
                     log.warning("%s worker %s is down: %s", w.role, w.address, e.code().name)
                 w.healthy = False
 
-        await asyncio.gather(*(one(w) for w in self.workers if w.address not in self._leaving))
+        await asyncio.gather(*(one(w) for w in self.workers
+                               if w.address not in self._leaving and not (only_down and w.healthy)))
 
-    async def wait_ready(self, timeout: float) -> None:
-        """Until at least one worker of each role answers."""
+    async def wait_ready(self, timeout: float, report_every: float = 10.0) -> None:
+        """Until at least one worker of each role answers; says which ones it is waiting for now and then."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        report = loop.time() + report_every
         while not ((self.colocated or any(w.healthy for w in self.prefill)) and any(w.healthy for w in self.decode)):
-            if loop.time() > deadline:
+            now = loop.time()
+            if now > deadline:
                 raise NoWorkerAvailable("no healthy prefill and decode workers within "
                                         f"{timeout:.0f}s: {[w.address for w in self.workers]}")
+            if now > report:
+                log.info("waiting for workers to answer: %s", [w.address for w in self.workers if not w.healthy])
+                report = now + report_every
             await asyncio.sleep(0.2)
             await self.poll()
 

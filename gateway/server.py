@@ -17,7 +17,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.router import NoWorkerAvailable, Router
 from gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
 from gateway.tokenizer import Tokenizer
-from pdserve.grpc_server import start_server
+from pdserve.grpc_server import RunningServer, start_server
 from pdserve.logs import REQUEST_LOGGER, log_request
 from pdserve.tracing import Tracing, trace_id
 from protos import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2
@@ -160,10 +160,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             streamed = False
             try:
                 async for resp in call:
+                    if not streamed:
+                        usage.cached_prompt_tokens = resp.cached_prompt_tokens
                     if prefill_pending:
                         prefill.inflight -= 1
                         prefill_pending = False
-                        usage.cached_prompt_tokens = resp.cached_prompt_tokens
                     streamed = True
                     usage.completion_tokens += len(resp.token_ids)
                     text = matcher.feed(detok.add(resp.token_ids))
@@ -239,19 +240,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 async def serve(model_dir: Path, host: str, port: int, prefill: list[str], decode: list[str],
                 ready_timeout: float = 300.0, tracing: Tracing | None = None,
-                metrics: GatewayMetrics | None = None, discover: bool = False) -> tuple[grpc.aio.Server, int, Router]:
+                metrics: GatewayMetrics | None = None, discover: bool = False, poll_interval: float = 1.0
+                ) -> tuple[RunningServer, Router]:
     tracing = tracing or Tracing("pdserve-gateway")
     tokenizer = Tokenizer(model_dir)
-    router = Router(prefill, decode, interceptors=tracing.client_interceptors(), discover=discover)
+    router = Router(prefill, decode, poll_interval=poll_interval, interceptors=tracing.client_interceptors(),
+                    discover=discover)
+    servicer = GenerationServicer(tokenizer, model_dir.name, router, tracer=tracing.tracer, metrics=metrics)
+    servicer.metrics.bind_router(router.counts)
+    running = await start_server(
+        host, port, lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
+        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
+        interceptors=tracing.server_interceptors(), serving=False)
     await router.start()
     try:
         await router.wait_ready(ready_timeout)
     except NoWorkerAvailable as e:
         log.warning("%s; serving anyway (requests get UNAVAILABLE until workers answer)", e)
-    servicer = GenerationServicer(tokenizer, model_dir.name, router, tracer=tracing.tracer, metrics=metrics)
-    server, bound, _ = await start_server(
-        host, port, lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s),
-        [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
-        interceptors=tracing.server_interceptors())
-    log.info("gateway on %s:%d (prefill %s, decode %s)", host, bound, prefill, decode)
-    return server, bound, router
+    await running.serving()
+    log.info("gateway on %s:%d (prefill %s, decode %s)", host, running.port, prefill, decode)
+    return running, router

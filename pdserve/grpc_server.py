@@ -1,21 +1,31 @@
-"""What every pdserve gRPC server has: grpc.aio on uvloop, health, reflection, graceful stop."""
+"""What every pdserve gRPC server has: grpc.aio on uvloop, health, optional reflection, graceful stop."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import socket
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 64 << 20
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+# One port, one server: without this, gRPC's default SO_REUSEPORT lets a second server start on a busy port and
+# silently take part of its traffic.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+class PortInUse(OSError):
+    """The address a server was told to listen on is taken (or not this machine's)."""
 
 
 def install_uvloop() -> None:
@@ -26,31 +36,102 @@ def install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+def _add_reflection(server: grpc.aio.Server, names: list[str]) -> None:
+    """Reflection under both names clients ask for: `grpc.reflection.v1` (newer grpcurl asks it first) and
+    `v1alpha`. The two protocols are the same messages under two package names, so one servicer answers both."""
+    services = [*names, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1]
+    servicer = reflection.aio.ReflectionServicer(services)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(REFLECTION_V1, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString),
+    })])
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    health: health_aio.HealthServicer
+    service_names: list[str] = field(default_factory=list)
+    failed: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    async def serving(self) -> None:
+        """Health says SERVING, for the server as a whole and each of its services."""
+        for name in ["", *self.service_names]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def fail(self, error: BaseException) -> None:
+        """The service can no longer serve: health says NOT_SERVING at once and `failed` resolves, so the process
+        shuts down instead of answering health checks while doing nothing."""
+        asyncio.ensure_future(self.health.enter_graceful_shutdown())
+        if not self.failed.done():
+            self.failed.set_result(error)
+
+
+def _check_free(host: str, port: int) -> None:
+    """Fail before gRPC tries (and logs its own multi-line complaint) when the address cannot be bound."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise PortInUse(f"cannot listen on {host}:{port}: {e}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC does: TIME_WAIT does not count
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], None],
-                       service_names: Iterable[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
-                       ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
-    """Start a server with health (all services SERVING) and reflection; returns it and its bound port."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors) or None)
+                       service_names: Iterable[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                       enable_reflection: bool = True, serving: bool = True) -> RunningServer:
+    """Start a server with health and, unless disabled, reflection; health says SERVING at once, or (`serving`
+    False) once the caller calls `serving()`. Raises PortInUse, naming the address, when it cannot listen there."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
     register(server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if enable_reflection:
+        _add_reflection(server, names)
+    _check_free(host, port)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise PortInUse(f"cannot listen on {host}:{port}: the port is in use or the address is not this machine's")
     await server.start()
-    for name in ["", *names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound, health_servicer
+    running = RunningServer(server, bound, health_servicer, names)
+    if serving:
+        await running.serving()
+    else:
+        for name in ["", *names]:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return running
 
 
-async def serve_until_signal(stop: Callable[[], Awaitable[None]]) -> None:
-    """Run until SIGINT/SIGTERM, then call `stop` (which lets in-flight requests finish)."""
+async def serve_until_signal(stop: Callable[[], Awaitable[None]], fatal: asyncio.Future | None = None) -> int:
+    """Run until SIGINT/SIGTERM (exit status 0) or until `fatal` resolves (1), then call `stop` (which lets
+    in-flight requests finish)."""
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
-    await done.wait()
-    log.info("shutting down")
+    waiters = [asyncio.ensure_future(done.wait())]
+    if fatal is not None:
+        waiters.append(fatal)
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    failed = fatal is not None and fatal.done()
+    log.info("shutting down" + (f" after a fatal error: {fatal.result()!r}" if failed else ""))
     await stop()
+    for w in waiters:
+        if not w.done():
+            w.cancel()
+    return 1 if failed else 0

@@ -93,33 +93,36 @@ class Stack:
 
 def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1, decode_extra: list[str] = (),
                 observe: list[str] = (), env: dict | None = None, log_dir: Path | None = None,
-                colocated: bool = False) -> Stack:
-    """Prefill, decode and gateway on free ports; `observe` goes to all three (e.g. --otlp-endpoint).
-    With `log_dir`, each service's stderr goes to `<role>.log` there."""
-    exe = [sys.executable, "-m", "pdserve.cli"]
+                colocated: bool = False, decode_workers: int = 1, gateway_extra: list[str] = ()) -> Stack:
+    """Prefill, decode (`decode_workers` of them) and gateway on free ports; `observe` goes to all of them
+    (e.g. --otlp-endpoint). With `log_dir`, each service's stderr goes to `<role>.log` there."""
+    exe = [sys.executable, "-m", "cli"]
     env = {**service_env(), **(env or {})}
-    p_port, d_port, g_port = free_port(), free_port(), free_port()
+    p_port, g_port = free_port(), free_port()
+    d_ports = [free_port() for _ in range(decode_workers)]
     metric_ports = {role: free_port() for role in ("prefill", "decode", "gateway")}
-    stack = Stack(f"127.0.0.1:{g_port}", [] if colocated else [f"127.0.0.1:{p_port}"], [f"127.0.0.1:{d_port}"],
+    stack = Stack(f"127.0.0.1:{g_port}", [] if colocated else [f"127.0.0.1:{p_port}"],
+                  [f"127.0.0.1:{p}" for p in d_ports],
                   metrics={role: f"http://127.0.0.1:{port}/metrics" for role, port in metric_ports.items()})
     common = ["--dtype", dtype, "--threads", str(threads), "--kv-cache-memory", "128M", *extra]
 
-    def spawn(role: str, args: list[str]) -> None:
-        argv = [*exe, role, *args, "--metrics-port", str(metric_ports["decode" if role == "colocated" else role]),
-                *observe]
+    def spawn(role: str, args: list[str], metrics_port: int, log_name: str) -> None:
+        argv = [*exe, role, *args, "--metrics-port", str(metrics_port), *observe]
         if log_dir is None:
             stack.procs.append(subprocess.Popen(argv, env=env))
             return
-        with open(log_dir / f"{role}.log", "w") as err:
+        with open(log_dir / f"{log_name}.log", "w") as err:
             stack.procs.append(subprocess.Popen(argv, env=env, stderr=err))
 
     try:
-        if colocated:
-            spawn("colocated", ["--port", str(d_port), *common, *decode_extra])
-        else:
-            spawn("prefill", ["--port", str(p_port), *common])
-            spawn("decode", ["--port", str(d_port), *common, *decode_extra])
-        spawn("gateway", ["--port", str(g_port), "--prefill", ",".join(stack.prefill), "--decode", stack.decode[0]])
+        if not colocated:
+            spawn("prefill", ["--port", str(p_port), *common], metric_ports["prefill"], "prefill")
+        for i, port in enumerate(d_ports):
+            metrics = metric_ports["decode"] if i == 0 else free_port()
+            spawn("colocated" if colocated else "decode", ["--port", str(port), *common, *decode_extra], metrics,
+                  "decode" if i == 0 else f"decode{i}")
+        spawn("gateway", ["--port", str(g_port), "--prefill", ",".join(stack.prefill), "--decode",
+                          ",".join(stack.decode), *gateway_extra], metric_ports["gateway"], "gateway")
         for addr, proc in zip([*stack.prefill, *stack.decode, stack.gateway], stack.procs):
             wait_serving(addr, proc)
     except BaseException:

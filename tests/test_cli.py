@@ -1,14 +1,31 @@
-"""The `pdserve` command as a user runs it."""
+"""The `pdserve` command as a user runs it: one-line errors, the stack's life cycle, and its children's."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from pdserve.cli import build_parser
-from tests.stack import free_port, service_env
+from cli.main import build_parser
+from tests.stack import free_port, service_env, wait_serving
+
+PDSERVE = [sys.executable, "-m", "cli"]
+
+
+def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*PDSERVE, *argv], env=service_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_parser_knows_every_service():
@@ -21,14 +38,75 @@ def test_parser_knows_every_service():
         p.parse_args(["decode", "--kv-transport", "carrier-pigeon"])
 
 
+def test_flags_are_never_abbreviated_and_log_level_goes_anywhere():
+    p = build_parser()
+    for argv in (["up", "--colocate"], ["generate", "hi", "--max-token", "3"], ["--log-lev", "INFO", "up"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(argv)
+    assert p.parse_args(["up", "--log-level", "DEBUG"]).log_level == "DEBUG"
+    assert p.parse_args(["--log-level", "ERROR", "up"]).log_level == "ERROR"
+    assert p.parse_args(["up"]).log_level == os.environ.get("PDSERVE_LOG_LEVEL", "INFO")
+
+
+def test_version():
+    proc = run("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("pdserve ")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["up", "--model", "/nonexistent"], "/nonexistent"),
+    (["up", "--kv-cache-memory", "1K"], "kv_cache_memory"),
+    (["decode", "--kv-cache-memory", "1K"], "kv_cache_memory"),
+    (["up", "--kv-cache-memory", "lots"], "not a size"),
+    (["gateway", "--decode", ""], "--decode"),
+])
+def test_bad_configuration_is_one_line_before_anything_starts(argv, needle):
+    proc = run(*argv)
+    if "not a size" in needle:  # argparse's own usage error: exit 2, usage plus one error line
+        assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
+        return
+    assert_one_line_error(proc, needle)
+
+
+def test_client_commands_without_a_stack_say_what_to_do():
+    dead = f"127.0.0.1:{free_port()}"
+    assert_one_line_error(run("generate", "hi", "--address", dead), "pdserve up")
+    proc = run("bench", "--address", dead, "--num-requests", "2", "--num-warmups", "0")
+    assert proc.returncode == 1 and "no request succeeded" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_second_server_on_a_busy_port_fails_in_one_line():
+    port = free_port()
+    first = subprocess.Popen([*PDSERVE, "gateway", "--port", str(port), "--decode", f"127.0.0.1:{free_port()}",
+                              "--ready-timeout", "0", "--metrics-port", "-1"], env=service_env())
+    try:
+        wait_serving(f"127.0.0.1:{port}", first)
+        second = run("gateway", "--port", str(port), "--decode", f"127.0.0.1:{free_port()}", "--ready-timeout", "0",
+                     "--metrics-port", "-1")
+        assert_one_line_error(second, f"127.0.0.1:{port}")
+        with socket.socket() as s:  # the port still belongs to the first server alone
+            assert s.connect_ex(("127.0.0.1", port)) == 0
+        assert first.poll() is None
+    finally:
+        first.terminate()
+        first.wait(30)
+
+
+def test_up_refuses_busy_ports_before_starting_anything():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run("up", "--port", str(free_port()), "--prefill-port", str(port), "--metrics-port", "-1")
+    assert_one_line_error(proc, f"127.0.0.1:{port}")
+
+
 @pytest.mark.slow
 def test_up_answers_a_prompt_and_stops_cleanly():
     """What README's `make run` does, on free ports: the stack starts, answers, and every process exits."""
     ports = [str(free_port()) for _ in range(3)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up", "--port", ports[0], "--metrics-port", "-1",
-         "--prefill-port", ports[1], "--decode-port", ports[2], "--prompt", "Say hello.", "--exit-after-prompt"],
-        env=service_env(), capture_output=True, text=True, timeout=300)
+    proc = run("--log-level", "WARNING", "up", "--port", ports[0], "--metrics-port", "-1", "--prefill-port", ports[1],
+               "--decode-port", ports[2], "--prompt", "Say hello.", "--exit-after-prompt", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pdserve is up" in proc.stdout
     answer = proc.stdout.split("pdserve is up", 1)[1].split("\n", 1)[1]
@@ -36,35 +114,68 @@ def test_up_answers_a_prompt_and_stops_cleanly():
     assert "first answer" in proc.stderr
 
 
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
+                 "zombie" not in open(f"/proc/{p}/status").read().lower()]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _start_up(*extra: str) -> tuple[subprocess.Popen, dict[str, int]]:
+    ports = {"gateway": free_port(), "prefill": free_port(), "decode": free_port()}
+    proc = subprocess.Popen([*PDSERVE, "--log-level", "WARNING", "up", "--port", str(ports["gateway"]),
+                             "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
+                             "--kv-cache-memory", "128M", "--metrics-port", "-1", *extra],
+                            env=service_env(), stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("serving"):
+            break
+    assert proc.poll() is None, "pdserve up exited during start-up"
+    return proc, ports
+
+
 @pytest.mark.slow
 def test_up_with_two_workers_per_role_spreads_requests():
-    import asyncio
-    import signal
-
     from pdserve.client import Client
     from tests.stack import Stack
 
-    g, p0, d0 = free_port(), free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up", "--port", str(g),
-                             "--prefill-port", str(p0), "--decode-port", str(d0), "--prefill-workers", "2",
-                             "--decode-workers", "2", "--kv-cache-memory", "128M", "--metrics-port", "-1"],
-                            env=service_env(), stdout=subprocess.PIPE, text=True)
+    proc, ports = _start_up("--prefill-workers", "2", "--decode-workers", "2")
     try:
-        for line in proc.stdout:
-            if line.startswith("serving"):
-                break
-        stack = Stack(f"127.0.0.1:{g}", [f"127.0.0.1:{p0}", f"127.0.0.1:{p0 + 1}"],
+        p0, d0 = ports["prefill"], ports["decode"]
+        stack = Stack(f"127.0.0.1:{ports['gateway']}", [f"127.0.0.1:{p0}", f"127.0.0.1:{p0 + 1}"],
                       [f"127.0.0.1:{d0}", f"127.0.0.1:{d0 + 1}"])
 
-        async def run():
+        async def requests():
             async with Client(stack.gateway) as client:
                 return await asyncio.gather(*(client.complete(prompt=f"Tell me about number {i}", max_tokens=8,
                                                               temperature=0.0) for i in range(12)))
 
-        assert len(asyncio.run(run())) == 12
+        assert len(asyncio.run(requests())) == 12
         assert all(stack.stats(a, "decode").requests_total > 0 for a in stack.decode)
         assert all(stack.stats(a, "prefill").requests_total > 0 for a in stack.prefill)
         stack.wait_idle()
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(90) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_children_die_with_up(how):
+    """However `pdserve up` ends, the services it started end too and free their ports."""
+    proc, ports = _start_up("--colocated")
+    children = _children(proc.pid)
+    assert len(children) == 2  # the colocated worker and the gateway
+    proc.send_signal(how)
+    proc.wait(90)
+    assert _wait_gone(children, 60) == []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports["gateway"]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import grpc
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from pdserve.client import Client
 from tests.conftest import hf_greedy
-from tests.stack import start_stack
+from tests.stack import scrape, start_stack
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +86,16 @@ async def test_prefix_cache_serves_repeated_prompt(stack):
     assert second.cached_prompt_tokens >= 16 * ((first.prompt_tokens - 1) // 16)
 
 
-async def test_cancel_mid_stream_frees_every_block(stack):
+def _engine_work(stack) -> tuple[float, float]:
+    """Sequence-steps the decode worker has run and prompt tokens the prefill worker has computed, so far."""
+    decode, prefill = scrape(stack.metrics["decode"]), scrape(stack.metrics["prefill"])
+    return (decode[("pdserve_decode_batch_size_sum", frozenset())],
+            prefill[("pdserve_prefill_batch_tokens_sum", frozenset())])
+
+
+async def test_cancel_mid_stream_frees_every_block_and_stops_generating(stack):
+    stack.wait_idle()
+    steps_before, _ = _engine_work(stack)
     async with Client(stack.gateway) as client:
         call = client.stream(prompt="Count from one to a thousand:", max_tokens=400, temperature=0.0,
                              ignore_eos=True)
@@ -96,18 +106,37 @@ async def test_cancel_mid_stream_frees_every_block(stack):
                 break
         call.cancel()
         assert seen >= 3
-        mid = stack.stats(stack.decode[0], "decode")
-        assert mid.requests_total >= 1
     stack.wait_idle()
+    steps, _ = _engine_work(stack)
+    assert steps - steps_before < 200, "the decode worker went on generating for a cancelled request"
 
 
 async def test_deadline_stops_work(stack):
+    stack.wait_idle()
+    steps_before, _ = _engine_work(stack)
     async with Client(stack.gateway) as client:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await client.complete(prompt="Write a long essay", max_tokens=500, ignore_eos=True, temperature=0.0,
                                   timeout=1.5)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     stack.wait_idle()
+    steps, _ = _engine_work(stack)
+    assert steps - steps_before < 500, "the decode worker went on generating past the deadline"
+
+
+async def test_deadline_abandons_a_long_prefill_between_chunks(stack):
+    """A 2500-token prompt is computed in chunks of at most 2048 tokens; a deadline that fires during the first
+    chunk (seconds of work on one CPU thread) ends the request, and the chunk after it is never computed."""
+    stack.wait_idle()
+    _, tokens_before = _engine_work(stack)
+    prompt = list(range(1000, 3500))
+    async with Client(stack.gateway) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.complete(prompt_token_ids=prompt, max_tokens=4, temperature=0.0, timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stack.wait_idle()
+    _, tokens = _engine_work(stack)
+    assert tokens - tokens_before < len(prompt), "the prefill worker computed the whole abandoned prompt"
 
 
 async def test_burst_of_50_requests_returns_pool_to_idle(stack):
@@ -180,7 +209,7 @@ async def test_no_worker_is_unavailable(model_dir):
 
     port = free_port()
     dead = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "gateway", "--port", str(port), "--prefill", dead,
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "gateway", "--port", str(port), "--prefill", dead,
                              "--decode", dead, "--ready-timeout", "0.5"], env=service_env())
     try:
         wait_serving(f"127.0.0.1:{port}", proc)
@@ -193,16 +222,31 @@ async def test_no_worker_is_unavailable(model_dir):
         proc.wait(30)
 
 
-def test_health_and_reflection_on_every_service(stack):
-    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+def _list_services(address: str, service: str) -> set[str]:
+    """Ask the reflection service `service` (v1 or v1alpha: the same messages) which services a server has."""
+    from grpc_reflection.v1alpha import reflection_pb2
 
-    for address, service in [(stack.gateway, "pdserve.v1.Generation"), (stack.prefill[0], "pdserve.v1.PrefillService"),
-                             (stack.decode[0], "pdserve.v1.DecodeService")]:
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(f"/{service}/ServerReflectionInfo",
+                                     request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                     response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        resp = next(call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+        return {s.name for s in resp.list_services_response.service}
+
+
+def test_health_everywhere_and_reflection_only_on_the_public_gateway(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    for address in (stack.gateway, *stack.prefill, *stack.decode):
         with grpc.insecure_channel(address) as channel:
-            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
-            names = {s.name for s in resp.list_services_response.service}
-            assert {service, "grpc.health.v1.Health"} <= names
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    for version in ("grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"):
+        assert {"pdserve.v1.Generation", "grpc.health.v1.Health", version} <= _list_services(stack.gateway, version)
+        for worker in (*stack.prefill, *stack.decode):  # internal services: reflection is off unless asked for
+            with pytest.raises(grpc.RpcError) as err:
+                _list_services(worker, version)
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 async def test_tokenize_and_list_models(stack, tokenizer):
@@ -210,3 +254,30 @@ async def test_tokenize_and_list_models(stack, tokenizer):
         assert await client.tokenize(prompt="Hello world") == tokenizer.encode("Hello world")
         models = await client.list_models()
     assert models[0].id == "SmolLM2-135M-Instruct" and models[0].max_model_len == 8192
+
+
+async def test_gateway_retries_on_another_decode_worker_when_one_dies():
+    """Two decode workers; one is killed after the gateway last polled it (it polls only at start here), so the
+    router still believes in it: requests sent there fail UNAVAILABLE and are retried on the other one."""
+    import signal
+
+    two = start_stack(decode_workers=2, gateway_extra=["--poll-interval", "3600"])
+    try:
+        healthy = ("pdserve_gateway_workers", frozenset({("role", "decode"), ("state", "healthy")}))
+        deadline = time.monotonic() + 60
+        while scrape(two.metrics["gateway"])[healthy] < 2:  # the router has seen both decode workers up
+            assert time.monotonic() < deadline, "the gateway never saw both decode workers healthy"
+            await asyncio.sleep(0.1)
+        dead = two.procs[1]  # prefill, decode 0, decode 1, gateway
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(30)
+        before = scrape(two.metrics["gateway"]).get(("pdserve_gateway_retries_total", frozenset()), 0)
+        async with Client(two.gateway) as client:
+            results = await asyncio.gather(*(client.complete(prompt=f"Say {i}", max_tokens=4, temperature=0.0)
+                                             for i in range(6)))
+        assert all(r.finish_reason in ("stop", "length") and r.token_ids for r in results)
+        after = scrape(two.metrics["gateway"])[("pdserve_gateway_retries_total", frozenset())]
+        assert after - before >= 1
+        assert two.stats(two.decode[1], "decode").requests_total == 6
+    finally:
+        two.stop()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from gateway.router import Router
+import pytest
+
+from gateway.router import NoWorkerAvailable, Router
+from protos import worker_pb2
 from tests.stack import free_port
 
 
@@ -45,11 +48,41 @@ async def test_discovery_adds_and_drops_workers():
         await router.close()
 
 
-async def test_static_addresses_are_used_as_given():
-    p, d = free_port(), free_port()
-    router = Router([f"127.0.0.1:{p}"], [f"127.0.0.1:{d}"])
+async def test_pick_takes_the_least_loaded_healthy_workers():
+    """Decode by (queued + running + in flight here, then most free blocks); prefill by queue; exclusions and
+    unhealthy workers are never picked."""
+    prefill = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    decode = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    router = Router(prefill, decode)
     try:
-        await router.poll()
-        assert [w.address for w in router.workers] == [f"127.0.0.1:{p}", f"127.0.0.1:{d}"]
+        for w in router.workers:
+            w.healthy = True
+            w.stats = worker_pb2.WorkerStats(kv_blocks_total=100)
+        d0, d1, d2 = router.decode
+        p0, p1 = router.prefill
+        d0.stats.running, d0.stats.kv_blocks_used = 2, 10
+        d1.stats.running, d1.stats.kv_blocks_used = 1, 50
+        d2.stats.running, d2.stats.kv_blocks_used = 1, 20
+        p0.stats.waiting = 3
+        assert router.pick() == (d2, p1)  # fewest sequences, then most free blocks; shortest prefill queue
+        d2.inflight = 1  # a request this gateway just sent there counts before the next poll shows it
+        assert router.pick() == (d1, p1)
+        assert router.pick(exclude={d1.address, p1.address}) == (d0, p0)  # ties on load: more free blocks
+        d1.healthy = d2.healthy = False
+        assert router.pick() == (d0, p1)
+        router.mark_down(p1.address)
+        assert router.pick() == (d0, p0)
+        d0.healthy = False
+        with pytest.raises(NoWorkerAvailable, match="decode"):
+            router.pick()
+    finally:
+        await router.close()
+
+
+async def test_colocated_router_needs_no_prefill_worker():
+    router = Router([], [f"127.0.0.1:{free_port()}"])
+    try:
+        router.decode[0].healthy = True
+        assert router.colocated and router.pick() == (router.decode[0], None)
     finally:
         await router.close()

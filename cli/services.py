@@ -1,0 +1,171 @@
+"""Running one service in this process: `pdserve gateway | prefill | decode | colocated`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+
+from cli.errors import CLIError
+
+log = logging.getLogger("pdserve")
+
+
+def model_and_dtype(model: str, dtype: str) -> tuple[str, str]:
+    """Resolve the model directory, and 'auto' to the dtype its checkpoint was saved in."""
+    import json
+
+    from engine.model_store import resolve_model
+
+    path = resolve_model(model)
+    if dtype == "auto":
+        cfg = json.loads((path / "config.json").read_text())
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return str(path), dtype
+
+
+def engine_config(args: argparse.Namespace):
+    """The engine configuration the flags describe, checked before any weights load: a budget that holds no
+    KV block, a bad dtype or block size fail here, in one line."""
+    from pathlib import Path
+
+    from engine.config import EngineConfig, ModelConfig, parse_dtype
+    from engine.kv_cache import plan_kv_cache
+
+    path, dtype = model_and_dtype(args.model, args.dtype)
+    try:
+        layout = plan_kv_cache(ModelConfig.from_dir(Path(path)), parse_dtype(dtype), args.block_size,
+                               args.kv_cache_memory)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
+    if layout.num_blocks < 2:
+        raise CLIError(f"--kv-cache-memory {args.kv_cache_memory} B holds {layout.num_blocks} KV block; "
+                       f"need at least 2 ({layout.block_nbytes} B each)")
+    return EngineConfig(model=path, dtype=dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                        num_threads=args.threads, attention_backend=args.attention_backend, device=args.device)
+
+
+def routable(host: str) -> str:
+    """An address other hosts can reach: a wildcard bind address becomes this host's own address (its name's, or
+    else the address of the interface its default route uses)."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as e:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it only picks the route
+                address = s.getsockname()[0]
+            except OSError:
+                address = "127.0.0.1"
+        log.warning("host name %s does not resolve (%s); advertising %s", socket.gethostname(), e, address)
+        return address
+
+
+def _tracing(args: argparse.Namespace):
+    from pdserve.tracing import Tracing, TracingConfig
+
+    config = TracingConfig(args.otlp_endpoint, args.otlp_protocol, args.trace_sample_ratio)
+    return Tracing(f"pdserve-{args.command}", config, instance=f"{args.host}:{args.port}")
+
+
+def _metrics_server(args: argparse.Namespace, registry):
+    from pdserve.metrics_server import MetricsServer
+
+    if args.metrics_port < 0:
+        return None
+    try:
+        server = MetricsServer(registry, args.metrics_host or args.host, args.metrics_port).start()
+    except OSError as e:
+        raise CLIError(f"cannot serve /metrics on {args.metrics_host or args.host}:{args.metrics_port}: "
+                       f"{e.strerror or e}") from None
+    log.info("metrics on %s", server.url)
+    return server
+
+
+def _run(main) -> int:
+    from pdserve.grpc_server import install_uvloop
+
+    install_uvloop()
+    return asyncio.run(main())
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from pdserve.grpc_server import serve_until_signal
+
+    cfg = engine_config(args)
+
+    async def main() -> int:
+        tracing = _tracing(args)
+        clients = None
+        if args.command == "prefill":
+            from prefill_service.server import serve
+
+            running, worker = await serve(cfg, args.host, args.port, args.kv_transport, tracing=tracing,
+                                          reflection=args.reflection)
+        else:
+            from decode_service.server import serve
+
+            colocated = args.command == "colocated"
+            kv_host = "" if colocated else routable(args.kv_host or args.host)
+            running, worker, clients = await serve(cfg, args.host, args.port, args.kv_transport, kv_host,
+                                                   max_queued=args.max_queued, tracing=tracing,
+                                                   colocated=colocated, reflection=args.reflection)
+        metrics = _metrics_server(args, worker.metrics.registry)
+        print(f"pdserve {args.command} ready on {args.host}:{running.port}", flush=True)
+
+        async def stop() -> None:
+            from kvtransfer.transports import shutdown_transports
+
+            await running.server.stop(grace=30)
+            await worker.stop()
+            if clients is not None:
+                await clients.close()
+            shutdown_transports()
+            if metrics is not None:
+                metrics.stop()
+            tracing.shutdown()
+
+        return await serve_until_signal(stop, running.failed)
+
+    return _run(main)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from engine.model_store import resolve_model
+    from gateway.server import serve
+    from pdserve.grpc_server import serve_until_signal
+
+    path = resolve_model(args.model)
+    prefill = [a for a in args.prefill.split(",") if a]
+    decode = [a for a in args.decode.split(",") if a]
+    if not decode:
+        raise CLIError("give the decode workers with --decode host:port[,host:port...] (or $PDSERVE_DECODE)")
+
+    async def main() -> int:
+        from gateway.metrics import GatewayMetrics
+
+        tracing, gateway_metrics = _tracing(args), GatewayMetrics()
+        running, router = await serve(path, args.host, args.port, prefill, decode, args.ready_timeout,
+                                      tracing=tracing, metrics=gateway_metrics, discover=args.discover,
+                                      poll_interval=args.poll_interval)
+        metrics = _metrics_server(args, gateway_metrics.registry)
+        print(f"pdserve gateway ready on {args.host}:{running.port}", flush=True)
+
+        async def stop() -> None:
+            await running.server.stop(grace=30)
+            await router.close()
+            if metrics is not None:
+                metrics.stop()
+            tracing.shutdown()
+
+        return await serve_until_signal(stop, running.failed)
+
+    return _run(main)

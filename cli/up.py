@@ -1,0 +1,176 @@
+"""`pdserve up`: the whole stack on this machine, as child processes of this one.
+
+Everything that can be checked is checked before anything starts (the model, the KV budget, every port). The
+workers start first; the gateway starts once every one of them answers health, so its first poll sees them
+all. Children die with this process, however it ends (SIGTERM, Ctrl-C, even SIGKILL: each child asks the kernel
+for a SIGTERM when its parent goes), and if one child exits the others are stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from cli.clients import stream_completion
+from cli.errors import CLIError
+from cli.services import engine_config
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Service:
+    role: str
+    address: str
+    proc: subprocess.Popen
+
+    def __str__(self) -> str:
+        return f"the {self.role} on {self.address}"
+
+
+def _check_ports_free(host: str, ports: list[tuple[str, int]]) -> None:
+    for what, port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise CLIError(f"{what} port {host}:{port} is not free ({e.strerror}); is another stack running? "
+                               "Stop it, or pick other ports (--port, --prefill-port, --decode-port, "
+                               "--metrics-port)") from None
+
+
+async def _wait_serving(services: list[Service], timeout: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    for service in services:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if service.proc.poll() is not None:
+                    raise CLIError(f"{service} exited during start-up with status {service.proc.returncode} "
+                                   "(its log is above)")
+                try:
+                    resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.aio.AioRpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise CLIError(f"{service} did not become healthy within {timeout:.0f}s")
+                await asyncio.sleep(0.3)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from engine.model_store import needs_conversion
+
+    if needs_conversion(args.model):
+        print("pdserve up: converting the model for first use (once; about 20 s)...", file=sys.stderr, flush=True)
+    engine_config(args)  # the model, dtype and KV budget are checked here, before any process starts
+    if args.colocated:
+        args.prefill_workers = 0
+    if args.decode_workers < 1 or args.prefill_workers < 0:
+        raise CLIError("--decode-workers must be >= 1 and --prefill-workers >= 0")
+    workers = args.prefill_workers + args.decode_workers
+    prefill = [f"{args.host}:{args.prefill_port + i}" for i in range(args.prefill_workers)]
+    decode = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode_workers)]
+    metric_ports = list(range(args.metrics_port, args.metrics_port + 1 + workers)) if args.metrics_port >= 0 else []
+    _check_ports_free(args.host, [("gateway", args.port)] + [("prefill worker", int(a.rsplit(":", 1)[1]))
+                                                           for a in prefill]
+                      + [("decode worker", int(a.rsplit(":", 1)[1])) for a in decode]
+                      + [("metrics", p) for p in metric_ports])
+
+    exe = [sys.executable, "-m", "cli", "--log-level", args.log_level, "--log-format", args.log_format]
+    threads = args.threads or max(1, (os.cpu_count() or 1) // workers)
+    common = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size),
+              "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs", str(args.max_num_seqs),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--threads", str(threads),
+              "--kv-transport", args.kv_transport, "--attention-backend", args.attention_backend,
+              "--device", args.device]
+    if args.max_model_len:
+        common += ["--max-model-len", str(args.max_model_len)]
+    if args.no_prefix_caching:
+        common += ["--no-prefix-caching"]
+    observe = ["--otlp-protocol", args.otlp_protocol, "--trace-sample-ratio", str(args.trace_sample_ratio)]
+    if args.otlp_endpoint:
+        observe += ["--otlp-endpoint", args.otlp_endpoint]
+    if args.metrics_host:
+        observe += ["--metrics-host", args.metrics_host]
+    metrics = iter(metric_ports[1:] + [-1] * (1 + workers))
+    services: list[Service] = []
+
+    def spawn(role: str, address: str, argv: list[str]) -> Service:
+        proc = subprocess.Popen([*exe, *argv], preexec_fn=_die_with_parent)
+        services.append(Service(role, address, proc))
+        return services[-1]
+
+    def stop_all() -> None:
+        """Gateway first (no new requests), then the workers, all draining in parallel."""
+        for s in reversed(services):
+            if s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 45
+        for s in services:
+            try:
+                s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                s.proc.kill()
+                s.proc.wait()
+
+    def on_signal(signum, _frame) -> None:
+        raise SystemExit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    t0 = time.perf_counter()
+    try:
+        role = "colocated" if args.colocated else "decode"
+        workers_up = [spawn("prefill worker", a, ["prefill", "--host", a.rsplit(":", 1)[0], "--port",
+                                                  a.rsplit(":", 1)[1], *common, *observe,
+                                                  "--metrics-port", str(next(metrics))]) for a in prefill]
+        workers_up += [spawn(f"{role} worker", a, [role, "--host", a.rsplit(":", 1)[0], "--port", a.rsplit(":", 1)[1],
+                                                   *common, *observe, "--metrics-port", str(next(metrics))])
+                       for a in decode]
+        asyncio.run(_wait_serving(workers_up, timeout=600))
+        gateway = f"{args.host}:{args.port}"
+        spawn("gateway", gateway, ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
+                                   "--prefill", ",".join(prefill), "--decode", ",".join(decode), *observe,
+                                   "--metrics-port", str(metric_ports[0] if metric_ports else -1)])
+        asyncio.run(_wait_serving(services[-1:], timeout=120))
+        print(f"pdserve is up: gateway {gateway}, prefill {prefill}, decode {decode} "
+              f"({time.perf_counter() - t0:.1f}s)", flush=True)
+        if metric_ports:
+            print(f"metrics: http://{args.metrics_host or args.host}:{metric_ports[0]}/metrics (gateway), "
+                  f"ports {metric_ports[1]}-{metric_ports[-1]} (prefill, then decode)", flush=True)
+        if args.prompt:
+            ns = argparse.Namespace(prompt=args.prompt, max_tokens=256, temperature=0.0, top_p=None, seed=None,
+                                    stop=[], raw=False)
+            asyncio.run(stream_completion(gateway, ns))
+            print(f"[first answer {time.perf_counter() - t0:.1f}s after start]", file=sys.stderr)
+            if args.exit_after_prompt:
+                return 0
+        print("serving; Ctrl-C stops", flush=True)
+        while True:
+            exited = [s for s in services if s.proc.poll() is not None]
+            if exited:
+                raise CLIError("; ".join(f"{s} exited with status {s.proc.returncode}" for s in exited) +
+                               "; stopped the stack")
+            time.sleep(0.5)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        stop_all()

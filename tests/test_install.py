@@ -1,0 +1,28 @@
+"""What a user on plain PyPI gets: the dependency set resolves there (no local wheels, no pip config)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_dependencies_resolve_on_plain_pypi(tmp_path):
+    """`--isolated` ignores this machine's pip configuration (which supplies a local CPU torch), so this is the
+    resolution a new user gets: torch 2.13.0 from PyPI is the CUDA 13 build, and every CUDA-flavoured dependency
+    must agree with it."""
+    report = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed",
+                           "--quiet", "--report", str(report), "torch==2.13.0", "-e", f"{ROOT}[test]"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = {item["metadata"]["name"].lower(): item["metadata"]["version"]
+             for item in json.loads(report.read_text())["install"]}
+    assert names["torch"] == "2.13.0"
+    assert "ucxx-cu13" in names and not any(n.endswith("-cu12") for n in names), sorted(names)
