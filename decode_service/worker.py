@@ -71,10 +71,12 @@ class DecodeWorker:
                  kv_host: str = "127.0.0.1", max_queued: int = 256, transfer_timeout: float = 60.0,
                  local_prefill_max_tokens: int = 0, tracer: trace.Tracer | None = None,
                  metrics: DecodeMetrics | None = None) -> None:
-        self.core = EngineCore(cfg)
+        self.role = "decode" if call_prefill is not None else "colocated"
+        self.loop = EngineLoop(lambda: EngineCore(cfg), self.role, on_step=self._on_step,
+                               on_blocks_freed=self._grant_blocks)
+        self.core = self.loop.core
         self.model_config = self.core.model_config
         self.model_name = self.model_config.name
-        self.role = "decode" if call_prefill is not None else "colocated"
         self.call_prefill = call_prefill
         self.local_prefill_max_tokens = local_prefill_max_tokens if call_prefill is not None else 1 << 62
         self.receiver = None
@@ -91,7 +93,6 @@ class DecodeWorker:
         self.requests_total = 0
         self.local_prefills_total = 0
         self.remote_prefills_total = 0
-        self.loop = EngineLoop(self.core, self.role, on_step=self._on_step, on_blocks_freed=self._grant_blocks)
         self._reservations: deque[tuple[int, asyncio.Future]] = deque()
         self._remote_in_progress = 0
 

@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from kernels.cache_ops import store_kv
-from kernels.paged_attention import paged_attention, prefill_attention
+from kernels.paged_attention import decode_attention, decode_mask, prefill_attention
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +49,8 @@ class AttentionBackend(Protocol):
         ...
 
 
-class TorchAttention:
-    """The reference backend: plain torch, runs anywhere."""
-
-    name = "torch"
-
-    def __call__(self, q, k, v, kv_layer, meta, scale):
-        store_kv(k, v, kv_layer, meta.slot_mapping)
-        return paged_attention(q, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
-
-
 class _StepTensors:
-    """Per-forward device tensors derived from the metadata, built once and shared by every layer."""
+    """Per-forward tensors derived from the metadata, built once and shared by every layer."""
 
     def __init__(self) -> None:
         self._meta: AttentionMetadata | None = None
@@ -68,12 +58,13 @@ class _StepTensors:
         self.prefill_rows: list[int] = []
         self.decode_tokens: torch.Tensor | None = None
         self.decode_lens: torch.Tensor | None = None
-        self.decode_tables: torch.Tensor | None = None
+        self.decode_tables: torch.Tensor | None = None  # [decode rows, blocks the longest of them needs]
+        self.decode_mask: torch.Tensor | None = None
         self.seq_lens: torch.Tensor | None = None
         self.cu_q: torch.Tensor | None = None
         self.cu_k: torch.Tensor | None = None
 
-    def update(self, meta: AttentionMetadata, device: torch.device) -> "_StepTensors":
+    def update(self, meta: AttentionMetadata, device: torch.device, block_size: int) -> "_StepTensors":
         if meta is self._meta:
             return self
         self._meta = meta
@@ -82,13 +73,40 @@ class _StepTensors:
         self.decode_rows = [i for i in range(n) if qsl[i + 1] - qsl[i] == 1]
         self.prefill_rows = [i for i in range(n) if qsl[i + 1] - qsl[i] > 1]
         rows = self.decode_rows
-        self.decode_tokens = torch.tensor([qsl[i] for i in rows], dtype=torch.long, device=device)
-        self.decode_lens = torch.tensor([meta.seq_lens[i] for i in rows], dtype=torch.int32, device=device)
-        self.decode_tables = meta.block_tables[rows].to(torch.int32)
+        if rows:
+            lens = [meta.seq_lens[i] for i in rows]
+            n_blocks = -(-max(lens) // block_size)
+            self.decode_tokens = torch.tensor([qsl[i] for i in rows], dtype=torch.long, device=device)
+            self.decode_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+            tables = meta.block_tables if len(rows) == n else meta.block_tables[rows]
+            self.decode_tables = tables[:, :n_blocks]
+            self.decode_mask = decode_mask(self.decode_lens, n_blocks * block_size)
         self.seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int32, device=device)
         self.cu_q = torch.tensor(qsl, dtype=torch.int32, device=device)
         self.cu_k = torch.nn.functional.pad(self.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return self
+
+
+class TorchAttention:
+    """The reference backend: plain torch, runs anywhere."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._step = _StepTensors()
+
+    def __call__(self, q, k, v, kv_layer, meta, scale):
+        store_kv(k, v, kv_layer, meta.slot_mapping)
+        step = self._step.update(meta, q.device, kv_layer.shape[2])
+        if not step.prefill_rows:  # a pure decode step: every row is one token, in order
+            return decode_attention(q, kv_layer[0], kv_layer[1], step.decode_tables, step.decode_mask, scale)
+        out = torch.empty_like(q)
+        prefill_attention(q, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, step.prefill_rows,
+                          scale, out)
+        if step.decode_rows:
+            out[step.decode_tokens] = decode_attention(q[step.decode_tokens], kv_layer[0], kv_layer[1],
+                                                       step.decode_tables, step.decode_mask, scale)
+        return out
 
 
 class TritonAttention:
@@ -104,13 +122,13 @@ class TritonAttention:
 
     def __call__(self, q, k, v, kv_layer, meta, scale):
         store_kv(k, v, kv_layer, meta.slot_mapping)
-        step = self._step.update(meta, q.device)
+        step = self._step.update(meta, q.device, kv_layer.shape[2])
         out = torch.empty_like(q)
         prefill_attention(q, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, step.prefill_rows,
                           scale, out)
         if step.decode_rows:
             out[step.decode_tokens] = self._decode(q[step.decode_tokens], kv_layer[0], kv_layer[1],
-                                                   step.decode_tables, step.decode_lens, scale)
+                                                   step.decode_tables.to(torch.int32), step.decode_lens, scale)
         return out
 
 
@@ -128,7 +146,7 @@ class FlashAttention:
 
     def __call__(self, q, k, v, kv_layer, meta, scale):
         store_kv(k, v, kv_layer, meta.slot_mapping)
-        step = self._step.update(meta, q.device)
+        step = self._step.update(meta, q.device, kv_layer.shape[2])
         tables = meta.block_tables.to(torch.int32)
         if not step.prefill_rows:  # every row is one token: [B, 1, H, D] against the paged cache
             out = self._with_kvcache(q[:, None], kv_layer[0], kv_layer[1], cache_seqlens=step.seq_lens,

@@ -19,6 +19,7 @@ from engine.model_store import resolve_model
 from engine.sampler import SampleOutput, Sampler
 from engine.scheduler import ScheduledBatch
 from kernels.kv_layout import KVLayout
+from kernels.packed_linear import pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ class ModelRunner:
         device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                               "cpu" if cfg.device == "auto" else cfg.device)
         model = model.to(device)
+        packed = pack_linears(model)
+        if packed:
+            log.info("packed %d linear weights for this CPU", packed)
         layout = plan_kv_cache(model.config, dtype, cfg.block_size, cfg.kv_cache_memory, cfg.num_blocks, device.type)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", layout.num_blocks, layout.block_size,
                  layout.num_blocks * layout.block_nbytes / 2**20)

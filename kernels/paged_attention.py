@@ -1,8 +1,10 @@
 """Attention over the paged KV cache in plain torch: the CPU path and the oracle for the GPU kernels.
 
 Every sequence in a batch contributes `q_len` query tokens (a prompt chunk, or 1 while decoding) that attend to
-the first `seq_len` tokens of its context, read through its block table. Decode rows (q_len == 1) are gathered and
-run as one padded batch; longer rows run one by one with a causal mask offset by the cached context.
+the first `seq_len` tokens of its context, read through its block table. Decode rows (q_len == 1) run as one
+padded batch: each sequence's blocks are gathered whole (one `index_select` per K and V, memcpy speed) and fed to
+SDPA with grouped-query heads and a padding mask, so no head-major copy of the context is ever made. Longer rows
+run one by one with a causal mask offset by the cached context.
 """
 
 from __future__ import annotations
@@ -20,12 +22,9 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
           scale: float) -> torch.Tensor:
-    """q `[B, H, L, D]`, k/v `[B, KVH, S, D]`."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    """q `[B, H, L, D]`, k/v `[B, KVH, S, D]` (grouped-query heads are matched inside SDPA, without copies)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
 def paged_attention(
@@ -42,7 +41,12 @@ def paged_attention(
     prefill_rows = [i for i in range(len(seq_lens)) if query_start_loc[i + 1] - query_start_loc[i] > 1]
     prefill_attention(q, kv_layer, query_start_loc, seq_lens, block_tables, prefill_rows, scale, out)
     if decode_rows:
-        _decode_batch(q, kv_layer[0], kv_layer[1], query_start_loc, seq_lens, block_tables, decode_rows, scale, out)
+        tokens = torch.tensor([query_start_loc[i] for i in decode_rows], device=q.device)
+        lens = [seq_lens[i] for i in decode_rows]
+        n_blocks = -(-max(lens) // kv_layer.shape[2])
+        mask = decode_mask(torch.tensor(lens, device=q.device), n_blocks * kv_layer.shape[2])
+        out[tokens] = decode_attention(q[tokens], kv_layer[0], kv_layer[1], block_tables[decode_rows, :n_blocks],
+                                       mask, scale)
     return out
 
 
@@ -66,21 +70,20 @@ def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: 
         out[start:end] = o[0].transpose(0, 1)
 
 
-def _decode_batch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, rows, scale, out) -> None:
-    """One padded batched attention for all single-token rows; GQA by grouping query heads (no K/V repeat)."""
-    block_size, kv_heads, dim = k_cache.shape[1:]
-    lengths = torch.tensor([seq_lens[i] for i in rows], device=q.device)
-    max_len = int(lengths.max())
-    n_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[rows, :n_blocks]
-    b = len(rows)
-    ids = table.reshape(-1)  # gather whole blocks as rows: memcpy speed, unlike advanced indexing
-    k = k_cache.index_select(0, ids).view(b, -1, kv_heads, dim)[:, :max_len].permute(0, 2, 3, 1)  # [B, KVH, D, L]
-    v = v_cache.index_select(0, ids).view(b, -1, kv_heads, dim)[:, :max_len].transpose(1, 2)  # [B, KVH, L, D]
-    token_idx = torch.tensor([query_start_loc[i] for i in rows], device=q.device)
-    qd = q[token_idx].view(b, kv_heads, -1, dim)  # [B, KVH, G, D]
-    scores = torch.matmul(qd, k).float() * scale
-    pad = torch.arange(max_len, device=q.device)[None, :] >= lengths[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = scores.softmax(-1).to(v.dtype)
-    out[token_idx] = torch.matmul(probs, v).view(b, -1, dim)
+def decode_mask(lens: torch.Tensor, padded_len: int) -> torch.Tensor:
+    """`[B, 1, 1, padded_len]` True where a position is inside its sequence (built once per step, used per layer)."""
+    return (torch.arange(padded_len, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence: q `[B, H, D]` over the blocks named in `block_tables` `[B, n_blocks]` of a
+    `[num_blocks, block_size, kv_heads, head_dim]` K and V cache; `mask` from `decode_mask`. Returns `[B, H, D]`."""
+    b, n_blocks = block_tables.shape
+    _, block_size, kv_heads, dim = k_cache.shape
+    ids = block_tables.reshape(-1)
+    k = k_cache.index_select(0, ids).view(b, n_blocks * block_size, kv_heads, dim).transpose(1, 2)
+    v = v_cache.index_select(0, ids).view(b, n_blocks * block_size, kv_heads, dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != kv_heads)
+    return out.squeeze(2)

@@ -63,7 +63,9 @@ class PrefillWorker:
     def __init__(self, cfg: EngineConfig, transport: str = "ucx", max_queued: int = 1024,
                  transfer_timeout: float = 60.0, tracer: trace.Tracer | None = None,
                  metrics: PrefillMetrics | None = None) -> None:
-        self.core = EngineCore(cfg)
+        self.loop = EngineLoop(lambda: EngineCore(cfg), self.role, layer_hooks=self._layer_hooks,
+                               on_step=self._on_step)
+        self.core = self.loop.core
         if self.core.runner.device.type != "cpu":
             raise ValueError("the KV transfer moves host memory: run disaggregated workers with --device cpu")
         self.model_name = self.core.model_config.name
@@ -76,7 +78,6 @@ class PrefillWorker:
         self.metrics.bind_state(lambda: len(self.core.scheduler.running) + len(self._finishing),
                                 lambda: len(self.core.scheduler.waiting), self.core.allocator)
         self.requests_total = 0
-        self.loop = EngineLoop(self.core, self.role, layer_hooks=self._layer_hooks, on_step=self._on_step)
         self._jobs: dict[Sequence, _Job] = {}
         self._finishing: set[asyncio.Task] = set()
 
