@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.model import LlamaForCausalLM
 from engine.model_runner import LayerHook, ModelRunner
 from engine.request_check import check_request
-from engine.sampler import SampleOutput
+from engine.sampler import SampleOutput, SamplingError
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -28,10 +28,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepOutput:
-    """One new token of one sequence."""
+    """One new token of one sequence, or (`error` set, `sample` None) why the sequence failed this step."""
 
     seq: Sequence
-    sample: SampleOutput
+    sample: SampleOutput | None
+    error: SamplingError | None = None
 
     @property
     def request_id(self) -> str:
@@ -39,6 +40,7 @@ class StepOutput:
 
     @property
     def token_id(self) -> int:
+        assert self.sample is not None, "a failed step has no token"
         return self.sample.token_id
 
     @property
@@ -106,11 +108,13 @@ class EngineCore:
         self.in_step = set(batch.seqs)
         return batch
 
-    def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> list[SampleOutput | None]:
+    def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None
+                ) -> list[SampleOutput | SamplingError | None]:
         """The forward and the sampling (the part that may run on another thread)."""
         return self.runner.execute(batch, layer_hook)
 
-    def update(self, batch: ScheduledBatch, samples: list[SampleOutput | None]) -> list[StepOutput]:
+    def update(self, batch: ScheduledBatch, samples: list[SampleOutput | SamplingError | None]
+               ) -> list[StepOutput]:
         """Account for a finished forward: computed tokens, new tokens, finished sequences."""
         self.in_step = set()
         self.scheduler.commit(batch)
@@ -122,6 +126,10 @@ class EngineCore:
                 self.abort(seq)
                 continue
             if sample is None or seq.is_finished:
+                continue
+            if isinstance(sample, SamplingError):  # this sequence alone fails
+                self.scheduler.finish(seq, "abort")
+                outputs.append(StepOutput(seq, None, sample))
                 continue
             seq.append(sample.token_id, eos, self.max_model_len)
             if seq.finish_reason is not None or seq.prefill_only:
@@ -161,7 +169,9 @@ class EngineCore:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         while self.has_work:
-            self.step()
+            for out in self.step():
+                if out.error is not None:
+                    raise out.error
         return [s.output_ids for s in seqs]
 
     def stats(self) -> dict:

@@ -144,7 +144,7 @@ class EngineLoop:
             for out in outputs:
                 sink = self._sinks.pop(out.seq, None) if out.finished else self._sinks.get(out.seq)
                 if sink is not None:
-                    sink(out)
+                    sink(out.error if out.error is not None else out)
             if core.allocator.num_free_blocks > free_before:
                 self.blocks_freed()
             await asyncio.sleep(0)  # let RPC handlers and transfers run between steps

@@ -41,11 +41,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, *rope)
+        qkv = self.qkv_proj(x)
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                                  self.head_dim), *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = backend(q, k, v, kv_layer, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -106,7 +106,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """In the model's dtype: the sampler converts what it needs (greedy decoding takes the argmax as is)."""
+        return self.lm_head(hidden)
 
 
 def _fused_state_dict(files: list[Path], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.kv_cache import plan_kv_cache
 from engine.model import LlamaForCausalLM, load_model
 from engine.model_store import resolve_model
-from engine.sampler import SampleOutput, Sampler
+from engine.sampler import SampleOutput, Sampler, SamplingError
 from engine.scheduler import ScheduledBatch
 from kernels.kv_layout import KVLayout
 from kernels.packed_linear import pack_linears
@@ -107,15 +107,17 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.backend, layer_hook)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
-    def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> list[SampleOutput | None]:
-        """Run the batch; one SampleOutput per sequence that samples this step, None for the others."""
+    def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None
+                ) -> list[SampleOutput | SamplingError | None]:
+        """Run the batch; per sequence, its SampleOutput if it samples this step (or the SamplingError that
+        fails it alone), None for the others."""
         inputs = self.prepare(batch)
         logits = self.forward(inputs, layer_hook)
-        out: list[SampleOutput | None] = [None] * len(batch.seqs)
+        out: list[SampleOutput | SamplingError | None] = [None] * len(batch.seqs)
         if inputs.sample_rows:
             seqs = [batch.seqs[i] for i in inputs.sample_rows]
-            samples = self.sampler.sample(logits, [s.params for s in seqs], [s.prompt_ids for s in seqs],
-                                          [s.output_ids for s in seqs])
+            samples = self.sampler.sample(logits, [s.params for s in seqs], [s.token_ids for s in seqs],
+                                          [s.num_prompt_tokens for s in seqs])
             for row, sample in zip(inputs.sample_rows, samples):
                 out[row] = sample
         return out

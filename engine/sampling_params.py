@@ -25,7 +25,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 decode greedily (vLLM's rule): dividing by them overflows the logits."""
+        return self.temperature < 1e-5
 
     @property
     def has_penalties(self) -> bool:
@@ -38,11 +39,11 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
-        if not self.temperature >= 0.0:
-            bad("temperature", "must be >= 0")
+        if not 0.0 <= self.temperature < float("inf"):
+            bad("temperature", "must be a finite number >= 0")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad("top_k", "must be -1, 0 (off) or a positive integer")
-        if not 0.0 < self.top_p <= 1.0:
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             bad("top_p", "must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")

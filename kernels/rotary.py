@@ -47,6 +47,6 @@ def rope_for_positions(cache: torch.Tensor, positions: torch.Tensor, dtype: torc
     return cs[:, 0, None, :], cs[:, 1, None, :]
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q `[T, H, D]`, k `[T, KVH, D]`; returns rotated copies."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, D]` (query and key heads side by side, so one call rotates both); returns a rotated copy."""
+    return x * cos + _rotate_half(x) * sin

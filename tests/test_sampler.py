@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.sampler import Sampler, apply_penalties, candidate_mask
+from engine.sampler import SampleOutput, Sampler, SamplingError, apply_penalties, candidate_mask
 from engine.sampling_params import SamplingParams
 
 
@@ -45,7 +45,7 @@ def test_top_p_applies_after_top_k():
 def _draw(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
     out: list[int] = []
     for _ in range(n):
-        out.append(sampler.sample(logits[None], [params], [[1]], [list(out)])[0].token_id)
+        out.append(sampler.sample(logits[None], [params], [[1, *out]], [1])[0].token_id)
     return out
 
 
@@ -58,7 +58,7 @@ def test_seeded_sampling_repeats_and_ignores_batch_neighbours():
     assert a == b
     assert len(set(a)) > 5
     other = SamplingParams(temperature=1.0, seed=99)
-    batch = s.sample(torch.stack([torch.randn(1000), logits]), [other, params], [[1], [1]], [[], []])
+    batch = s.sample(torch.stack([torch.randn(1000), logits]), [other, params], [[1], [1]], [1, 1])
     assert batch[1].token_id == a[0]
     assert _draw(s, logits, SamplingParams(temperature=1.0, seed=1235), 30) != a
 
@@ -67,13 +67,13 @@ def test_samples_only_from_candidates():
     logits = _logits_for(PROBS)
     s = Sampler(5)
     params = SamplingParams(temperature=1.0, top_k=2, seed=7)
-    tokens = {s.sample(logits[None], [params], [[0]], [[0] * i])[0].token_id for i in range(200)}
+    tokens = {s.sample(logits[None], [params], [[0] * (i + 1)], [1])[0].token_id for i in range(200)}
     assert tokens == {1, 3}
 
 
 def test_greedy_and_logprobs():
     logits = _logits_for(PROBS)
-    out = Sampler(5).sample(logits[None], [SamplingParams(temperature=0, logprobs=2)], [[0]], [[]])[0]
+    out = Sampler(5).sample(logits[None], [SamplingParams(temperature=0, logprobs=2)], [[0]], [1])[0]
     assert out.token_id == 1
     assert out.logprob == pytest.approx(math.log(0.4), abs=1e-5)
     assert [t for t, _ in out.top_logprobs] == [1, 3]
@@ -91,8 +91,8 @@ def test_min_tokens_blocks_eos():
     logits = torch.tensor([0.0, 0.0, 10.0, 1.0])
     s = Sampler(4, eos_token_ids=[2])
     params = SamplingParams(temperature=0, min_tokens=2, max_tokens=4)
-    assert s.sample(logits[None], [params], [[0]], [[3]])[0].token_id == 3
-    assert s.sample(logits[None], [params], [[0]], [[3, 3]])[0].token_id == 2
+    assert s.sample(logits[None], [params], [[0, 3]], [1])[0].token_id == 3
+    assert s.sample(logits[None], [params], [[0, 3, 3]], [1])[0].token_id == 2
 
 
 @pytest.mark.parametrize("field,value", [
@@ -109,3 +109,57 @@ def test_invalid_params_name_the_parameter(field, value):
 def test_min_tokens_above_max_is_invalid():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=2, min_tokens=3).validate()
+
+
+def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    z = logits / p.temperature
+    keep = candidate_mask(z, p.top_k, p.top_p, p.min_p)
+    return z.masked_fill(~keep, float("-inf")).softmax(-1)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_p=0.9),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=1.0, top_k=20, top_p=0.7, min_p=0.05),
+    SamplingParams(temperature=0.5),
+    SamplingParams(temperature=2.0, min_p=0.2),
+    SamplingParams(temperature=5.0, top_p=0.999),  # a flat nucleus wider than the candidate set
+])
+def test_batched_draws_follow_the_reference_distribution(params):
+    """Rows of one batch, each with its own params, drawn 4000 times: only candidates, and frequencies within
+    a few standard errors of the reference probabilities (seeded, so the check is deterministic)."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3000, generator=gen) * 3
+    other = SamplingParams(temperature=1.0, top_k=3, seed=1)
+    sampler = Sampler(3000)
+    draws = 4000
+    batch = torch.stack([logits, torch.randn(3000, generator=gen)])
+    counts = torch.zeros(3000)
+    for i in range(draws):
+        seeded = SamplingParams(**{**params.__dict__, "seed": 10_000 + i})
+        out = sampler.sample(batch, [seeded, other], [[0], [0]], [1, 1])
+        counts[out[0].token_id] += 1
+    want = _reference_probs(logits, params)
+    assert set(torch.nonzero(counts).flatten().tolist()) <= set(torch.nonzero(want).flatten().tolist())
+    freq = counts / draws
+    stderr = (want * (1 - want) / draws).sqrt()
+    assert ((freq - want).abs() <= 5 * stderr + 2e-3).all()
+
+
+def test_tiny_temperature_is_greedy_and_bad_rows_fail_alone():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [float("nan"), 1.0, 2.0], [1.0, 0.0, 3.0]])
+    s = Sampler(3)
+    out = s.sample(logits, [SamplingParams(temperature=1e-37), SamplingParams(temperature=1.0),
+                            SamplingParams(temperature=0.7, seed=3)], [[0], [0], [0]], [1, 1, 1])
+    assert out[0].token_id == 1
+    assert isinstance(out[1], SamplingError)
+    assert isinstance(out[2], SampleOutput)
+    greedy = s.sample(logits[:1].repeat(2, 1).index_copy(0, torch.tensor([1]), logits[1:2]),
+                      [SamplingParams(temperature=0)] * 2, [[0], [0]], [1, 1])
+    assert greedy[0].token_id == 1 and isinstance(greedy[1], SamplingError)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1e-9])
+def test_non_finite_or_negative_temperature_is_invalid(value):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=value).validate()
