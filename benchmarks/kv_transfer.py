@@ -68,7 +68,7 @@ def _receiver(pipe, num_blocks: int) -> None:
                 pipe.send("stopped")
                 return
             _, name, rid, blocks = cmd
-            receivers[name].expect(rid, blocks)
+            receivers[name].expect(rid, blocks, "bench")
             pipe.send("ready")
 
     asyncio.run(main())
@@ -99,7 +99,7 @@ async def _pdserve(sender, address: str, pipe, name: str, blocks: int, repeats: 
         pipe.send(("expect", name, rid, ids))
         assert await asyncio.to_thread(pipe.recv) == "ready"
         await sender.connect(address)
-        sender.begin(rid, address, ids, ids)
+        sender.begin(rid, address, ids, ids, "bench")
         t0 = time.perf_counter()
         await asyncio.to_thread(lambda: [sender.send_layer(rid, layer) for layer in range(LAYOUT["num_layers"])])
         stats = await sender.finish(rid)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -49,10 +50,10 @@ SendFn = Callable[[BenchRequest], Awaitable[RequestResult]]
 class GrpcTarget:
     """pdserve's gateway: `Generation.Generate` with token-id prompts."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = None, tls=None) -> None:
         from pdserve.client import Client
 
-        self.client = Client(address)
+        self.client = Client(address, api_key=api_key, tls=tls)
 
     async def __call__(self, req: BenchRequest) -> RequestResult:
         result = RequestResult(len(req.prompt_ids))
@@ -104,12 +105,13 @@ def parse_sse(buffer: bytes) -> tuple[list[dict | str], bytes]:
 class OpenAITarget:
     """Any OpenAI-compatible server's streaming `/v1/completions` (vLLM, SGLang, TGI, ...)."""
 
-    def __init__(self, base_url: str, model: str) -> None:
+    def __init__(self, base_url: str, model: str, api_key: str | None = None) -> None:
         import aiohttp
 
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model = model
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=6 * 3600))
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=6 * 3600), headers=headers)
 
     def body(self, req: BenchRequest) -> dict:
         return {"model": self.model, "prompt": req.prompt_ids, "max_tokens": req.output_len, "temperature": 0.0,
@@ -265,13 +267,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--percentiles", default="50,90,99")
     p.add_argument("--label", default="", help="name of this run in the JSON and plots")
     p.add_argument("--result-json", type=Path, default=None, help="append this run's metrics (one JSON per line)")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="API key (default $PDSERVE_API_KEY)")
+    p.add_argument("--tls-ca", default=os.environ.get("PDSERVE_TLS_CA"), help="pdserve backend: CA to verify the "
+                                                                               "gateway with (turns TLS on)")
 
 
 def make_target(args: argparse.Namespace):
     if args.backend == "pdserve":
-        return GrpcTarget(args.address)
+        from pdserve.security import TLSConfig
+
+        return GrpcTarget(args.address, args.api_key, TLSConfig(ca=args.tls_ca) if args.tls_ca else None)
     if args.backend == "openai":
-        return OpenAITarget(args.base_url, args.model)
+        return OpenAITarget(args.base_url, args.model, args.api_key)
     if not args.prefill_url:
         raise SystemExit("--backend openai-pd needs --prefill-url")
     return OpenAIDisaggTarget(args.prefill_url, args.base_url, args.model)

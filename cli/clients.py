@@ -8,7 +8,7 @@ import sys
 import time
 
 from cli.errors import CLIError
-from cli.services import model_and_dtype
+from cli.services import model_and_dtype, tls_config
 
 
 async def stream_completion(address: str, args: argparse.Namespace, out=sys.stdout) -> int:
@@ -27,7 +27,7 @@ async def stream_completion(address: str, args: argparse.Namespace, out=sys.stdo
     start = time.perf_counter()
     first = None
     n = 0
-    async with Client(address) as client:
+    async with Client(address, api_key=getattr(args, "api_key", None), tls=tls_config(args)) as client:
         try:
             async for resp in client.stream(**kw, **sampling):
                 first = first or time.perf_counter()
@@ -104,7 +104,9 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    tls = tls_config(args)
+    creds = tls.channel_credentials() if tls is not None else None
+    with (grpc.secure_channel(args.address, creds) if creds else grpc.insecure_channel(args.address)) as channel:
         try:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
         except grpc.RpcError as e:

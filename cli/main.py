@@ -90,6 +90,24 @@ def _observability_args(p: argparse.ArgumentParser, metrics_port: int) -> None:
                    help="fraction of requests traced (parent-based)")
 
 
+def _tls_args(p: argparse.ArgumentParser, role: str) -> None:
+    what = {"server": "this service's certificate (server identity, and client identity toward other services)",
+            "client": "a client certificate, where the server asks for one"}[role]
+    p.add_argument("--tls-cert", default=os.environ.get("PDSERVE_TLS_CERT"), help=f"PEM file: {what}")
+    p.add_argument("--tls-key", default=os.environ.get("PDSERVE_TLS_KEY"), help="PEM file: its private key")
+    p.add_argument("--tls-ca", default=os.environ.get("PDSERVE_TLS_CA"),
+                   help="PEM file: the CA that signs the services' certificates (verifies the servers called; "
+                        "workers also require callers to present a certificate it signed)" if role == "server" else
+                   "PEM file: the CA to verify the server with (turns TLS on)")
+
+
+def _api_key_arg(p: argparse.ArgumentParser, server: bool) -> None:
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require this key on the public API (gRPC metadata 'authorization: Bearer <key>', HTTP "
+                        "'Authorization: Bearer <key>'); default $PDSERVE_API_KEY" if server else
+                   "send this API key (default $PDSERVE_API_KEY)")
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -124,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prompt", default=None, help="answer this prompt once the stack is up")
     up.add_argument("--exit-after-prompt", action="store_true", help="stop the stack after answering --prompt")
     _observability_args(up, 9400)
+    _tls_args(up, "server")
+    _api_key_arg(up, server=True)
 
     gw = command("gateway", "the public gRPC API")
     gw.add_argument("--model", default="default")
@@ -140,7 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--discover", action="store_true", default=os.environ.get("PDSERVE_DISCOVER") == "1",
                     help="treat --prefill/--decode as DNS names and follow every address they resolve to "
                          "(compose --scale, Kubernetes headless services)")
+    gw.add_argument("--max-prompt-bytes", type=parse_size, default=parse_size("1M"),
+                    help="refuse longer prompts before tokenizing them")
     _observability_args(gw, 9400)
+    _tls_args(gw, "server")
+    _api_key_arg(gw, server=True)
 
     roles = {"prefill": "a prefill worker", "decode": "a decode worker",
              "colocated": "a worker that prefills and decodes itself (no KV transfer; the gateway treats it as a "
@@ -153,9 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
         w.add_argument("--reflection", action="store_true",
                        help="serve gRPC reflection (off by default: workers are internal services)")
         _observability_args(w, 9401 if role == "prefill" else 9402)
+        _tls_args(w, "server")
         if role == "decode":
             w.add_argument("--kv-host", default=None,
                            help="address prefill workers use to reach this worker's KV receiver (default: --host)")
+            w.add_argument("--prefill", default=os.environ.get("PDSERVE_PREFILL", ""),
+                           help="comma-separated host:port list (DNS names allowed) of the prefill workers this "
+                                "worker may dial; empty: any the gateway names")
         if role != "prefill":
             w.add_argument("--max-queued", type=int, default=256,
                            help="requests that may wait for KV blocks before RESOURCE_EXHAUSTED")
@@ -173,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     hc = command("health", "exit 0 when a service answers gRPC health SERVING (container healthcheck)")
     hc.add_argument("--address", default=os.environ.get("PDSERVE_HEALTH_ADDRESS", "127.0.0.1:50051"))
     hc.add_argument("--timeout", type=float, default=3.0)
+    _tls_args(hc, "client")
 
     gen = command("generate", "stream a completion")
     gen.add_argument("prompt")
@@ -182,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="cpu", help="with --local: cpu, cuda[:N] or auto")
     _sampling_args(gen)
+    _tls_args(gen, "client")
+    _api_key_arg(gen, server=False)
     return parser
 
 

@@ -69,6 +69,18 @@ def routable(host: str) -> str:
         return address
 
 
+def tls_config(args: argparse.Namespace):
+    """The TLS files the flags name (None when TLS is off), checked before anything starts."""
+    from pdserve.security import TLSConfig
+
+    tls = TLSConfig(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None))
+    try:
+        tls.check()
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    return tls if (tls.enabled or tls.ca) else None
+
+
 def _tracing(args: argparse.Namespace):
     from pdserve.tracing import Tracing, TracingConfig
 
@@ -101,6 +113,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from pdserve.grpc_server import serve_until_signal
 
     cfg = engine_config(args)
+    tls = tls_config(args)
 
     async def main() -> int:
         tracing = _tracing(args)
@@ -109,21 +122,24 @@ def cmd_worker(args: argparse.Namespace) -> int:
             from prefill_service.server import serve
 
             running, worker = await serve(cfg, args.host, args.port, args.kv_transport, tracing=tracing,
-                                          reflection=args.reflection)
+                                          reflection=args.reflection, tls=tls)
         else:
             from decode_service.server import serve
 
             colocated = args.command == "colocated"
             kv_host = "" if colocated else routable(args.kv_host or args.host)
+            allowed = [a for a in getattr(args, "prefill", "").split(",") if a]
             running, worker, clients = await serve(cfg, args.host, args.port, args.kv_transport, kv_host,
                                                    max_queued=args.max_queued, tracing=tracing,
-                                                   colocated=colocated, reflection=args.reflection)
+                                                   colocated=colocated, reflection=args.reflection, tls=tls,
+                                                   allowed_prefill=allowed)
         metrics = _metrics_server(args, worker.metrics.registry)
         print(f"pdserve {args.command} ready on {args.host}:{running.port}", flush=True)
 
         async def stop() -> None:
             from kvtransfer.transports import shutdown_transports
 
+            await worker.close()  # new requests are refused by name; those in flight finish
             await running.server.stop(grace=30)
             await worker.stop()
             if clients is not None:
@@ -144,6 +160,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from pdserve.grpc_server import serve_until_signal
 
     path = resolve_model(args.model)
+    tls = tls_config(args)
     prefill = [a for a in args.prefill.split(",") if a]
     decode = [a for a in args.decode.split(",") if a]
     if not decode:
@@ -153,15 +170,18 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         from gateway.metrics import GatewayMetrics
 
         tracing, gateway_metrics = _tracing(args), GatewayMetrics()
-        running, router = await serve(path, args.host, args.port, prefill, decode, args.ready_timeout,
-                                      tracing=tracing, metrics=gateway_metrics, discover=args.discover,
-                                      poll_interval=args.poll_interval)
+        running, router, request_path = await serve(path, args.host, args.port, prefill, decode,
+                                                    args.ready_timeout, tracing=tracing, metrics=gateway_metrics,
+                                                    discover=args.discover, poll_interval=args.poll_interval,
+                                                    tls=tls, api_key=args.api_key,
+                                                    max_prompt_bytes=args.max_prompt_bytes)
         metrics = _metrics_server(args, gateway_metrics.registry)
         print(f"pdserve gateway ready on {args.host}:{running.port}", flush=True)
 
         async def stop() -> None:
             await running.server.stop(grace=30)
             await router.close()
+            request_path.close()
             if metrics is not None:
                 metrics.stop()
             tracing.shutdown()

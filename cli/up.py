@@ -42,6 +42,12 @@ class Service:
 
 
 def _check_ports_free(host: str, ports: list[tuple[str, int]]) -> None:
+    seen: dict[int, str] = {}
+    for what, port in ports:
+        if port in seen:
+            raise CLIError(f"the {what} port {port} is also the {seen[port]} port; pick ports that do not overlap "
+                           "(--port, --prefill-port, --decode-port, --metrics-port; workers take consecutive ports)")
+        seen[port] = what
     for what, port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:

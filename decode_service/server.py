@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import time
 import uuid
 from typing import Sequence
 
 import grpc
 
-from decode_service.worker import DecodeWorker, PoolExhausted, TokenEvent
+from decode_service.worker import DecodeWorker, PoolExhausted, TokenEvent, WorkerClosing
 from engine.config import EngineConfig
+from engine.engine_loop import EngineStopped
+from engine.sampler import SamplingError
 from kvtransfer.errors import TransferError
-from pdserve.grpc_server import CHANNEL_OPTIONS, RunningServer, start_server
+from pdserve.failure import failure_metadata
+from pdserve.grpc_server import RunningServer, open_channel, start_server
+from pdserve.discovery import resolve_ipv4
+from pdserve.security import TLSConfig
 from pdserve.tracing import Tracing
 from pdserve.wire import (FINISH_REASONS, PrefillJob, PrefillResult, job_to_proto, logprob_to_proto,
                           result_from_proto, sampling_from_proto)
@@ -22,19 +29,40 @@ log = logging.getLogger(__name__)
 
 
 class PrefillClients:
-    """One channel per prefill worker address; turns a PrefillJob into a Prefill RPC."""
+    """One channel per prefill worker address; turns a PrefillJob into a Prefill RPC. With `allowed`, only
+    those prefill workers are ever dialled (names are resolved, so a DNS name covers its replicas)."""
 
-    def __init__(self, timeout: float, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
+    def __init__(self, timeout: float, interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+                 tls: TLSConfig | None = None, allowed: Sequence[str] = (), refresh: float = 10.0) -> None:
         self.timeout = timeout
         self.interceptors = list(interceptors)
+        self.tls = tls
+        self.allowed = list(allowed)
+        self._resolved: set[str] = set()
+        self._resolved_at = float("-inf")
+        self._refresh = refresh
         self._stubs: dict[str, worker_pb2_grpc.PrefillServiceStub] = {}
         self._channels: list[grpc.aio.Channel] = []
+
+    async def allows(self, address: str) -> bool:
+        if not self.allowed or address in self.allowed:
+            return True
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._resolved_at > self._refresh:
+            found: set[str] = set()
+            for name in self.allowed:
+                host, _, port = name.rpartition(":")
+                try:
+                    found.update(f"{ip}:{port}" for ip in await resolve_ipv4(host, int(port)))
+                except (OSError, ValueError):
+                    continue
+            self._resolved, self._resolved_at = found, loop.time()
+        return address in self._resolved
 
     def _stub(self, address: str) -> worker_pb2_grpc.PrefillServiceStub:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
-                                                interceptors=self.interceptors or None)
+            channel = open_channel(address, self.tls, self.interceptors)
             self._channels.append(channel)
             stub = self._stubs[address] = worker_pb2_grpc.PrefillServiceStub(channel)
         return stub
@@ -57,25 +85,52 @@ def _response(events: list[TokenEvent], with_logprobs: bool) -> worker_pb2.Decod
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, worker: DecodeWorker) -> None:
+    def __init__(self, worker: DecodeWorker, address: str, prefill: PrefillClients | None) -> None:
         self.worker = worker
+        self.address = address  # how the gateway names this worker, for the failure metadata
+        self.prefill = prefill
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or uuid.uuid4().hex
         params = sampling_from_proto(request.sampling)
+        stream_id = secrets.token_hex(12)
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        here = failure_metadata("decode", self.address)
+        prefill = failure_metadata("prefill", request.prefill_address)
+        if request.prefill_address and self.prefill is not None and not await self.prefill.allows(
+                request.prefill_address):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"decode worker {self.address} does not dial prefill worker "
+                                f"{request.prefill_address}: not among those it was started with", here)
+        first = True
         try:
             async for events in self.worker.generate(rid, list(request.prompt_token_ids), params,
-                                                     request.prefill_address):
-                yield _response(events, params.logprobs is not None)
+                                                     request.prefill_address, stream_id, deadline):
+                msg = _response(events, params.logprobs is not None)
+                if first:
+                    msg.stream_id, first = stream_id, False
+                yield msg
+        except SamplingError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"decode worker {self.address}: {e}", here)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), here)
         except PoolExhausted as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.address}: {e}", here)
+        except WorkerClosing as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.address}: {e}", here)
         except grpc.aio.AioRpcError as e:
             # the prefill worker's status, passed on (UNAVAILABLE lets the gateway retry elsewhere)
-            await context.abort(e.code(), f"prefill worker {request.prefill_address}: {e.details()}")
+            await context.abort(e.code(), f"prefill worker {request.prefill_address}: {e.details()}", prefill)
         except TransferError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {e}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"KV transfer from prefill worker {request.prefill_address} failed: {e}", prefill)
+        except EngineStopped as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.address}: {e}", here)
+
+    async def Finish(self, request: worker_pb2.FinishRequest, context) -> worker_pb2.FinishResponse:
+        reason = {v: k for k, v in FINISH_REASONS.items()}.get(request.reason) or "stop"
+        return worker_pb2.FinishResponse(finished=self.worker.finish(request.stream_id, reason))
 
     async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
         return worker_pb2.WorkerStats(**self.worker.stats())
@@ -83,18 +138,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 
 async def serve(cfg: EngineConfig, host: str, port: int, transport: str, kv_host: str, max_queued: int = 256,
                 prefill_timeout: float = 600.0, tracing: Tracing | None = None, colocated: bool = False,
-                local_prefill_max_tokens: int = 0, reflection: bool = False
+                local_prefill_max_tokens: int = 0, reflection: bool = False, advertised: str = "",
+                tls: TLSConfig | None = None, allowed_prefill: Sequence[str] = ()
                 ) -> tuple[RunningServer, DecodeWorker, PrefillClients | None]:
     """A decode worker (or, `colocated`, one that prefills every prompt itself and runs no KV receiver)."""
     tracing = tracing or Tracing("pdserve-colocated" if colocated else "pdserve-decode")
-    clients = None if colocated else PrefillClients(prefill_timeout, tracing.client_interceptors())
+    clients = None if colocated else PrefillClients(prefill_timeout, tracing.client_interceptors(), tls,
+                                                    allowed_prefill)
     worker = DecodeWorker(cfg, clients, transport=transport, kv_host=kv_host, max_queued=max_queued,
                           local_prefill_max_tokens=local_prefill_max_tokens, tracer=tracing.tracer)
     await worker.start()
     running = await start_server(
-        host, port, lambda s: worker_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(worker), s),
+        host, port, lambda s: worker_pb2_grpc.add_DecodeServiceServicer_to_server(
+            DecodeServicer(worker, advertised or f"{host}:{port}", clients), s),
         [worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name],
-        interceptors=tracing.server_interceptors(), enable_reflection=reflection)
+        interceptors=tracing.server_interceptors(), enable_reflection=reflection, tls=tls, require_client_cert=True)
     worker.loop.on_fatal = running.fail
     if worker.receiver is not None:
         log.info("decode worker on %s:%d, KV receiver at %s", host, running.port, worker.receiver.address)

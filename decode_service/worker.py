@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from collections import deque
@@ -44,6 +45,18 @@ request_log = logging.getLogger(REQUEST_LOGGER)
 
 class PoolExhausted(RuntimeError):
     """No KV blocks now and the admission queue is full."""
+
+
+class WorkerClosing(RuntimeError):
+    """The worker is shutting down and takes no new requests."""
+
+
+class _FinishedEarly(Exception):
+    """Put in a request's event queue by `finish`: the stream ends as finished, with this reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 PrefillCall = Callable[[str, PrefillJob], Awaitable[PrefillResult]]
@@ -95,6 +108,8 @@ class DecodeWorker:
         self.remote_prefills_total = 0
         self._reservations: deque[tuple[int, asyncio.Future]] = deque()
         self._remote_in_progress = 0
+        self._streams: dict[str, _Request] = {}
+        self._closing = False
 
     async def start(self) -> None:
         if self.receiver is not None:
@@ -121,7 +136,7 @@ class DecodeWorker:
         """Blocks for num_tokens, waiting (FIFO, bounded) while the pool is full."""
         allocator = self.core.allocator
         need = allocator.blocks_needed(num_tokens)
-        if not self._reservations and allocator.num_free_blocks - need >= self.watermark:
+        if not self._reservations and self._can_grant(need):
             return allocator.allocate(need)
         if len(self._reservations) >= self.max_queued:
             raise PoolExhausted(f"KV pool full ({allocator.num_free_blocks} blocks free) and "
@@ -148,23 +163,36 @@ class DecodeWorker:
             if fut.done():
                 self._reservations.popleft()
                 continue
-            if allocator.num_free_blocks - need < self.watermark:
+            if not self._can_grant(need):
                 return
             self._reservations.popleft()
             fut.set_result(allocator.allocate(need))
 
+    def _can_grant(self, need: int) -> bool:
+        """Reserve for a prompt that a prefill worker will fill only while the running batch keeps a block of
+        headroom per sequence: blocks held for prompts still queued at prefill must not starve the sequences
+        that are generating (they would be preempted and recomputed, over and over)."""
+        headroom = self.watermark + len(self.core.scheduler.running)
+        return self.core.allocator.num_free_blocks - need >= headroom
+
     # ---- one request -------------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       prefill_address: str = "") -> AsyncIterator[list[TokenEvent]]:
+                       prefill_address: str = "", stream_id: str = "", deadline: float | None = None
+                       ) -> AsyncIterator[list[TokenEvent]]:
         """Stream a request's tokens, in lists of what is ready (more than one when the reader lags). Leaving
-        the iterator early (cancel, error) frees everything the request held."""
+        the iterator early (cancel, error) frees everything the request held; `finish(stream_id, reason)` ends
+        it early as a normal finish. `deadline` (time.monotonic()) tells a deadline from a cancellation."""
         t0 = time.perf_counter()
         request_context, tid = otel_context.get_current(), trace_id()
+        if self._closing:
+            raise WorkerClosing(f"{self.role} worker is shutting down")
         self.check(prompt_ids, params)
         seq = Sequence(request_id, list(prompt_ids), params)
         local = self._prefill_here(seq, prefill_address)
         req = _Request(seq, "" if local else prefill_address, trace_context=request_context)
+        if stream_id:
+            self._streams[stream_id] = req
         self.requests_total += 1
         status, ttft = "ok", None
         stream = None
@@ -202,10 +230,18 @@ class DecodeWorker:
                     self.metrics.itl.observe(0.0)
                 last = now
             self.metrics.e2e.observe(time.perf_counter() - t0)
+        except _FinishedEarly:
+            self.metrics.e2e.observe(time.perf_counter() - t0)
         except BaseException as e:
-            status = "cancelled" if isinstance(e, (asyncio.CancelledError, GeneratorExit)) else "error"
+            if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+                # a deadline, give or take the clock skew between caller and callee
+                status = "deadline_exceeded" if deadline is not None and time.monotonic() >= deadline - 0.1 \
+                    else "cancelled"
+            else:
+                status = "error"
             raise
         finally:
+            self._streams.pop(stream_id, None)
             self.loop.abort(seq)
             self.metrics.requests.labels(status).inc()
             if stream is not None:
@@ -226,26 +262,46 @@ class DecodeWorker:
             items.append(req.events.get_nowait())
         events = []
         for item in items:
+            if isinstance(item, _FinishedEarly):
+                if req.seq.finish_reason is None:
+                    req.seq.finish_reason = item.reason
+                raise item
             if isinstance(item, BaseException):
                 raise item
             events.append(TokenEvent(item.sample, item.finish_reason))
         return events
 
+    def finish(self, stream_id: str, reason: str) -> bool:
+        """End a stream early as a normal finish with `reason` (the gateway hit a stop string); False if the
+        stream is no longer running."""
+        req = self._streams.get(stream_id)
+        if req is None:
+            return False
+        req.events.put_nowait(_FinishedEarly(reason))
+        return True
+
+    async def close(self) -> None:
+        """Refuse new requests (the server is draining); those in flight go on."""
+        self._closing = True
+
     async def _prefill_remotely(self, req: _Request) -> TokenEvent:
         """Have a prefill worker compute every token of req's sequence into its reserved blocks, then run the
         sequence here from its first sampled token."""
         seq = req.seq
-        transfer_id = uuid.uuid4().hex
-        arrived = self.receiver.expect(transfer_id, seq.block_ids)
+        transfer_id, secret = uuid.uuid4().hex, secrets.token_hex(16)
+        arrived = self.receiver.expect(transfer_id, seq.block_ids, secret)
         job = PrefillJob(seq.request_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params,
-                         self.receiver.address, list(seq.block_ids), self.core.layout.fingerprint, transfer_id)
+                         self.receiver.address, list(seq.block_ids), self.core.layout.fingerprint, transfer_id,
+                         secret)
         self._remote_in_progress += 1
         try:
             result = await self.call_prefill(req.prefill_address, job)
             self._transferred(await asyncio.wait_for(asyncio.shield(arrived), self.receiver.timeout))
         finally:
             self._remote_in_progress -= 1
-            self.receiver.cancel(transfer_id)
+            writing = self.receiver.cancel(transfer_id)
+            if writing is not None:  # bytes still landing in these blocks: free them only once that ends
+                await asyncio.shield(writing)
         seq.num_cached_tokens = result.cached_tokens
         seq.num_computed_tokens = len(seq.token_ids)
         seq.append(result.sample.token_id, self.model_config.eos_token_ids, self.core.max_model_len)

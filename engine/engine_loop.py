@@ -25,6 +25,10 @@ from engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 Sink = Callable[[StepOutput | BaseException], None]
+
+
+class EngineStopped(RuntimeError):
+    """The engine loop is not running (it died, or the worker is stopping)."""
 LayerHooks = Callable[[ScheduledBatch], LayerHook | None]
 StepObserver = Callable[[ScheduledBatch, float], None]
 
@@ -75,7 +79,7 @@ class EngineLoop:
         """Run `seq` (its KV already written for every token but the last when `prefilled`); `sink` gets each
         of its new tokens, the last one with `finished` set, or the exception that ended it."""
         if self.error is not None:
-            raise RuntimeError(f"{self.name} engine loop is not running: {self.error!r}")
+            raise EngineStopped(f"{self.name} engine loop is not running: {self.error!r}")
         self._sinks[seq] = sink
         if prefilled:
             self.core.add_prefilled(seq)
@@ -114,7 +118,7 @@ class EngineLoop:
             log.critical("%s engine loop died: %r", self.name, e, exc_info=True)
             sinks, self._sinks = self._sinks, {}
             for sink in sinks.values():
-                sink(RuntimeError(f"{self.name} worker failed: {e!r}"))
+                sink(EngineStopped(f"{self.name} worker failed: {e!r}"))
             if self.on_fatal is not None:
                 self.on_fatal(e)
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import Sequence
 
 import grpc
 
-from pdserve.grpc_server import CHANNEL_OPTIONS
+from pdserve.discovery import Resolver, resolve_ipv4
+from pdserve.grpc_server import open_channel
+from pdserve.security import TLSConfig
 from protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -46,15 +47,6 @@ class WorkerHandle:
         return (self.stats.waiting + self.stats.running + self.inflight,)
 
 
-Resolver = Callable[[str, int], Awaitable[list[str]]]
-
-
-async def resolve_ipv4(host: str, port: int) -> list[str]:
-    """Every IPv4 address a name has (a compose service with --scale N has N)."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
-    return sorted({info[4][0] for info in infos})
-
-
 class Router:
     """Knows every worker and its polled load; picks the least loaded decode and prefill worker per request.
 
@@ -64,13 +56,14 @@ class Router:
 
     def __init__(self, prefill: list[str], decode: list[str], poll_interval: float = 1.0,
                  interceptors: Sequence[grpc.aio.ClientInterceptor] = (), discover: bool = False,
-                 resolve: Resolver = resolve_ipv4, probe_interval: float = 0.5) -> None:
+                 resolve: Resolver = resolve_ipv4, probe_interval: float = 0.5, tls: TLSConfig | None = None) -> None:
         if not decode:
             raise ValueError("need at least one decode worker address (and prefill workers, unless the decode "
                              "workers are colocated)")
         self.poll_interval = poll_interval
         self.probe_interval = min(probe_interval, poll_interval)
         self.interceptors = list(interceptors)
+        self.tls = tls
         self.discover = discover
         self._resolve = resolve
         self._names = {"prefill": list(prefill), "decode": list(decode)}
@@ -80,7 +73,7 @@ class Router:
         self._poller: asyncio.Task | None = None
 
     def _handle(self, address: str, role: str) -> WorkerHandle:
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=self.interceptors or None)
+        channel = open_channel(address, self.tls, self.interceptors)
         stub = (worker_pb2_grpc.PrefillServiceStub if role == "prefill" else worker_pb2_grpc.DecodeServiceStub)(channel)
         return WorkerHandle(address, role, channel, stub)
 

@@ -17,3 +17,7 @@ class PeerDisconnected(TransferError):
 
 class TransferCancelled(TransferError):
     """The request was cancelled; late data for it is discarded."""
+
+
+class ProtocolError(TransferError):
+    """The peer sent something the protocol does not allow; the connection is closed."""

@@ -1,16 +1,24 @@
 """The decode side: owns nothing but a view of its paged KV cache and lands other processes' blocks in it.
 
-The cache's owner first says which blocks a request will be filled into (`expect`), then hands the address
-to a sender. The sender names those blocks once (`begin`); then each message carries one or more consecutive
-layers of the request: K and V of its blocks, in block-id order. A layer whose blocks form one contiguous run is received straight into the cache; scattered blocks
-go through a staging buffer and are scattered on arrival. The request's future resolves once every layer has
-landed (only then are the blocks ready), or fails on timeout, on the sender's abort, or when the sender that
-was feeding it disconnects. Messages for unknown or cancelled requests are read and dropped.
+The cache's owner first says which blocks a transfer will fill and with which secret (`expect`), then hands
+the address, transfer id and secret to a sender over an authenticated channel. On a connection the sender
+first proves its layout is compatible (`hello`), then names the transfer, its blocks and its secret (`begin`);
+each message after that carries one or more consecutive layers: K and V of its blocks, in block-id order. A
+layer whose blocks form one contiguous run is received straight into the cache; scattered blocks go through a
+staging buffer and are scattered on arrival. The transfer's future resolves once every layer has landed (only
+then are the blocks ready), or fails on timeout (counted from `begin`), on the sender's abort, or when the
+connection that was feeding it breaks.
+
+Nothing a peer says is trusted: header sizes are capped by the transport, every field is type-checked, a
+`begin` with the wrong secret or any message that breaks the protocol closes the connection without reading
+its payload, and payload sizes come from the reservation, never from the peer. Late layers of a transfer that
+was begun correctly and then cancelled are read and dropped (their size is the reservation's).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,11 +27,14 @@ import numpy as np
 import torch
 
 from kernels.kv_layout import KVLayout, LayoutMismatch
-from kvtransfer.errors import PeerDisconnected, TransferCancelled, TransferError, TransferTimeout
+from kvtransfer.errors import PeerDisconnected, ProtocolError, TransferCancelled, TransferError, TransferTimeout
 from kvtransfer.stats import StatsHook, TransferStats
 from kvtransfer.transport import Connection, Listener, Transport, as_bytes
 
 log = logging.getLogger(__name__)
+
+MAX_TRANSFER_ID = 128
+MAX_OPEN_PER_CONNECTION = 4096
 
 
 def contiguous_run(ids: list[int]) -> tuple[int, int] | None:
@@ -35,21 +46,39 @@ def contiguous_run(ids: list[int]) -> tuple[int, int] | None:
 
 @dataclass
 class _Expected:
-    request_id: str
+    transfer_id: str
     block_ids: list[int]
+    secret: str
     future: asyncio.Future
     layers_done: set[int] = field(default_factory=set)
-    feeders: set[int] = field(default_factory=set)  # ids of connections that delivered data
+    conn_id: int = 0  # the connection that began it (0: not begun yet)
     stats: TransferStats | None = None
     started: float = 0.0
     timer: asyncio.TimerHandle | None = None
+    receiving: asyncio.Future | None = None  # resolves when a receive into the blocks in flight ends
+
+
+def _field(header: dict, name: str, kind: type, limit: int | None = None):
+    """A header field of the given type (and length); anything else is a protocol error."""
+    value = header.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise ProtocolError(f"header field {name!r} must be {kind.__name__}")
+    if limit is not None and len(value) > limit:
+        raise ProtocolError(f"header field {name!r} is longer than {limit}")
+    return value
+
+
+def _int_list(header: dict, name: str, limit: int, upper: int) -> list[int]:
+    values = _field(header, name, list, limit)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < upper for v in values):
+        raise ProtocolError(f"header field {name!r} must hold integers in [0, {upper})")
+    return values
 
 
 class KVReceiver:
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, transport: Transport, host: str = "127.0.0.1",
                  port: int = 0, timeout: float = 30.0, on_complete: StatsHook | None = None) -> None:
-        if tuple(kv_cache.shape) != (layout.num_layers, 2, layout.num_blocks, layout.block_size,
-                                     layout.num_kv_heads, layout.head_dim):
+        if tuple(kv_cache.shape) != layout.shape:
             raise ValueError("KV cache shape does not match its layout")
         self.cache = kv_cache
         self.layout = layout
@@ -61,6 +90,7 @@ class KVReceiver:
         self._listener: Listener | None = None
         self._conn_ids = iter(range(1, 1 << 62))
         self.discarded_messages = 0
+        self.refused_connections = 0
 
     @property
     def address(self) -> str:
@@ -73,42 +103,52 @@ class KVReceiver:
         return self
 
     async def close(self) -> None:
-        for rid in list(self._expected):
-            self._fail(rid, TransferCancelled(f"receiver closed before request {rid} arrived"))
+        for tid in list(self._expected):
+            self._fail(tid, TransferCancelled(f"receiver closed before transfer {tid} arrived"))
         if self._listener is not None:
             await self._listener.close()
             self._listener = None
 
-    def expect(self, request_id: str, block_ids: list[int], timeout: float | None = None) -> asyncio.Future:
-        """Announce that request_id's KV will arrive into block_ids; the future yields its TransferStats."""
-        if request_id in self._expected:
-            raise ValueError(f"request {request_id} is already expected")
+    def expect(self, transfer_id: str, block_ids: list[int], secret: str, timeout: float | None = None
+               ) -> asyncio.Future:
+        """Announce that transfer_id's KV will arrive into block_ids from a sender holding `secret`; the future
+        yields its TransferStats. `timeout` (default the receiver's) counts from the sender's `begin`."""
+        if transfer_id in self._expected:
+            raise ValueError(f"transfer {transfer_id} is already expected")
+        if not 0 < len(transfer_id) <= MAX_TRANSFER_ID:
+            raise ValueError(f"transfer ids are 1..{MAX_TRANSFER_ID} characters")
         if any(not 0 <= b < self.layout.num_blocks for b in block_ids):
             raise ValueError(f"block ids out of range for a pool of {self.layout.num_blocks}")
         fut = asyncio.get_running_loop().create_future()
-        exp = _Expected(request_id, list(block_ids), fut)
-        exp.stats = TransferStats(request_id, self.transport.name, blocks=len(block_ids))
-        exp.timer = asyncio.get_running_loop().call_later(
-            timeout or self.timeout, self._fail, request_id,
-            TransferTimeout(f"KV for request {request_id} not complete after {timeout or self.timeout:.1f}s"))
-        self._expected[request_id] = exp
+        exp = _Expected(transfer_id, list(block_ids), secret, fut)
+        exp.stats = TransferStats(transfer_id, self.transport.name, blocks=len(block_ids))
+        exp.timer = asyncio.get_running_loop().call_later(  # replaced by the progress timer at `begin`
+            timeout or self.timeout, self._fail, transfer_id,
+            TransferTimeout(f"transfer {transfer_id}: no sender began it within {timeout or self.timeout:.1f}s"))
+        self._expected[transfer_id] = exp
         return fut
 
-    def cancel(self, request_id: str) -> None:
-        """Stop waiting for request_id; anything that still arrives for it is discarded."""
-        self._fail(request_id, TransferCancelled(f"request {request_id} cancelled"))
+    def cancel(self, transfer_id: str) -> asyncio.Future | None:
+        """Stop waiting for transfer_id; what still arrives for it is dropped. Returns a future that resolves
+        once no receive is writing into its blocks any more (None when none is), so the owner frees the blocks
+        only then."""
+        exp = self._expected.get(transfer_id)
+        self._fail(transfer_id, TransferCancelled(f"transfer {transfer_id} cancelled"))
+        if exp is not None and exp.receiving is not None and not exp.receiving.done():
+            return exp.receiving
+        return None
 
     @property
     def num_pending(self) -> int:
         return len(self._expected)
 
-    def layers_landed(self, request_id: str) -> int:
-        """How many of an expected request's layers have landed so far (0 once it is no longer expected)."""
-        exp = self._expected.get(request_id)
+    def layers_landed(self, transfer_id: str) -> int:
+        """How many of an expected transfer's layers have landed so far (0 once it is no longer expected)."""
+        exp = self._expected.get(transfer_id)
         return len(exp.layers_done) if exp is not None else 0
 
-    def _fail(self, request_id: str, error: TransferError) -> None:
-        exp = self._expected.pop(request_id, None)
+    def _fail(self, transfer_id: str, error: TransferError) -> None:
+        exp = self._expected.pop(transfer_id, None)
         if exp is None:
             return
         if exp.timer:
@@ -117,101 +157,139 @@ class KVReceiver:
             exp.future.set_exception(error)
             exp.future.exception()  # mark retrieved: the owner may already have stopped waiting
 
+    # ---- one connection ----------------------------------------------------------------------------------
+
     async def _serve(self, conn: Connection) -> None:
         conn_id = next(self._conn_ids)
+        begun: dict[str, int] = {}  # transfers begun on this connection -> their block count (what a layer is)
         try:
             hello = await asyncio.wait_for(conn.recv_header(), self.timeout)
-            if hello.get("type") != "hello":
-                raise TransferError(f"expected hello, got {hello.get('type')!r}")
+            if hello.get("type") != "hello" or not isinstance(hello.get("layout"), dict):
+                raise ProtocolError(f"expected hello, got {hello.get('type')!r}")
             try:
                 self.layout.check_compatible(KVLayout.from_dict(hello["layout"]))
-            except LayoutMismatch as e:
+            except (LayoutMismatch, TypeError, ValueError) as e:
                 await conn.send({"type": "hello_err", "error": str(e)})
-                log.warning("refused sender %s: %s", conn.peer, e)
+                log.warning("refused KV sender %s: %s", conn.peer, e)
                 return
             await conn.send({"type": "hello_ok", "layout": self.layout.to_dict()})
             while True:
                 header = await conn.recv_header()
                 kind = header.get("type")
                 if kind == "begin":
-                    err = self._on_begin(conn_id, header)
+                    err = self._on_begin(conn_id, header, begun)
                     if err:
                         await conn.send({"type": "error", "req": header["req"], "error": err})
                 elif kind == "layer":
-                    done = await self._on_layer(conn, conn_id, header)
+                    done = await self._on_layer(conn, conn_id, header, begun)
                     if done is not None:
                         await conn.send({"type": "done", "req": done})
                 elif kind == "abort":
-                    self._fail(header["req"], TransferError(f"sender aborted: {header.get('error', '')}"))
+                    tid = _field(header, "req", str, MAX_TRANSFER_ID)
+                    begun.pop(tid, None)
+                    exp = self._expected.get(tid)
+                    if exp is not None and exp.conn_id == conn_id:
+                        self._fail(tid, TransferError(f"sender aborted: {str(header.get('error', ''))[:200]}"))
                 elif kind == "bye":
                     return
                 else:
-                    raise TransferError(f"unknown message type {kind!r}")
+                    raise ProtocolError(f"unknown message type {kind!r}")
+        except ProtocolError as e:
+            self.refused_connections += 1
+            log.warning("closing KV connection from %s: %s", conn.peer, e)
+            self._fail_fed_by(conn_id, PeerDisconnected(f"the sender broke the KV protocol: {e}"))
         except (PeerDisconnected, asyncio.TimeoutError, TransferError) as e:
-            for rid, exp in list(self._expected.items()):
-                if conn_id in exp.feeders:
-                    self._fail(rid, PeerDisconnected(f"sender of request {rid} went away: {e}"))
+            self._fail_fed_by(conn_id, PeerDisconnected(f"KV sender went away: {e}"))
             log.info("KV sender %s disconnected: %s", conn.peer, e)
 
-    def _on_begin(self, conn_id: int, h: dict) -> str | None:
-        """A sender announces which blocks it will fill; returns an error text if that is not what we expect."""
-        rid = h["req"]
-        exp = self._expected.get(rid)
-        if exp is None:
+    def _fail_fed_by(self, conn_id: int, error: TransferError) -> None:
+        for tid, exp in list(self._expected.items()):
+            if exp.conn_id == conn_id:
+                self._fail(tid, error)
+
+    def _on_begin(self, conn_id: int, h: dict, begun: dict[str, int]) -> str | None:
+        """A sender names a transfer, its blocks and its secret; returns an error text for a transfer this
+        receiver does not expect (any more). A wrong secret is a protocol error."""
+        tid = _field(h, "req", str, MAX_TRANSFER_ID)
+        blocks = _int_list(h, "blocks", self.layout.num_blocks, self.layout.num_blocks)
+        secret = _field(h, "secret", str, 256)
+        if tid in begun or len(begun) >= MAX_OPEN_PER_CONNECTION:
+            raise ProtocolError(f"transfer {tid} begun twice, or too many open transfers")
+        exp = self._expected.get(tid)
+        if exp is not None and not hmac.compare_digest(secret.encode(), exp.secret.encode()):
+            raise ProtocolError(f"wrong secret for transfer {tid}")
+        begun[tid] = len(blocks)
+        if exp is None or exp.conn_id:
             self.discarded_messages += 1
-            return "request not expected (cancelled or unknown)"
-        if h["blocks"] != exp.block_ids:
-            self._fail(rid, TransferError(f"request {rid}: sender targets blocks {h['blocks'][:8]}..., "
-                                          f"expected {exp.block_ids[:8]}..."))
+            return "transfer not expected (cancelled or unknown)"
+        if blocks != exp.block_ids:
+            self._fail(tid, TransferError(f"transfer {tid}: the sender targets other blocks than reserved"))
             return "block ids do not match the reservation"
-        exp.feeders.add(conn_id)
+        exp.conn_id = conn_id
         if isinstance(h.get("trace"), dict):
-            exp.stats.trace = {str(k): str(v) for k, v in h["trace"].items()}
+            exp.stats.trace = {str(k)[:64]: str(v)[:256] for k, v in list(h["trace"].items())[:8]}
+        self._arm(exp)
         return None
 
-    async def _on_layer(self, conn: Connection, conn_id: int, h: dict) -> str | None:
-        """Land one message of one or more consecutive layers; returns the request id if that completed it."""
-        rid, layers, n = h["req"], h["layers"], h["n"]
-        nbytes = n * self.layout.page_nbytes
-        exp = self._expected.get(rid)
-        valid = exp is not None and conn_id in exp.feeders and n == len(exp.block_ids) \
-            and all(0 <= layer < self.layout.num_layers and layer not in exp.layers_done for layer in layers)
-        if not valid:
-            if exp is not None:
-                self._fail(rid, TransferError(f"request {rid}: unexpected layer message {layers}"))
-            self.discarded_messages += 1
-            await conn.recv_many([np.empty(nbytes, dtype=np.uint8) for _ in range(2 * len(layers))])
-            if exp is not None:
-                await conn.send({"type": "error", "req": rid, "error": "request not expected (cancelled or unknown)"})
+    def _arm(self, exp: _Expected) -> None:
+        """(Re)start the no-progress timer of a begun transfer."""
+        if exp.timer:
+            exp.timer.cancel()
+        exp.timer = asyncio.get_running_loop().call_later(
+            self.timeout, self._fail, exp.transfer_id,
+            TransferTimeout(f"transfer {exp.transfer_id}: no KV for {self.timeout:.1f}s"))
+
+    async def _on_layer(self, conn: Connection, conn_id: int, h: dict, begun: dict[str, int]) -> str | None:
+        """Land one message of one or more consecutive layers; returns the transfer id if that completed it."""
+        tid = _field(h, "req", str, MAX_TRANSFER_ID)
+        layers = _int_list(h, "layers", self.layout.num_layers, self.layout.num_layers)
+        n = _field(h, "n", int)
+        if begun.get(tid) != n or not layers:
+            raise ProtocolError(f"layer message for transfer {tid} that was not begun here with {n} blocks")
+        payloads = 2 * len(layers)
+        exp = self._expected.get(tid)
+        if exp is None or exp.conn_id != conn_id or any(layer in exp.layers_done for layer in layers):
+            self.discarded_messages += 1  # cancelled since it began: read what was sent, drop it, say so
+            await conn.recv_many([np.empty(n * self.layout.page_nbytes, dtype=np.uint8) for _ in range(payloads)])
+            await conn.send({"type": "error", "req": tid, "error": "transfer not expected (cancelled or unknown)"})
             return None
         blocks = exp.block_ids
         if not exp.started:
             exp.started = time.perf_counter()
             exp.stats.started_at = time.time()
-        run = contiguous_run(blocks)
-        if run is not None:
-            await conn.recv_many([as_bytes(self.cache[layer, kv, run[0]:run[1]]) for layer in layers for kv in (0, 1)])
-        else:
-            shape = (len(layers), 2, len(blocks)) + tuple(self.cache.shape[3:])
-            staging = torch.empty(shape, dtype=self.cache.dtype)
-            await conn.recv_many([as_bytes(staging[i, kv]) for i in range(len(layers)) for kv in (0, 1)])
-            if rid not in self._expected:  # cancelled while the bytes were in flight: leave the cache alone
-                return None
-            index = torch.tensor(blocks)
-            for i, layer in enumerate(layers):
-                self.cache[layer].index_copy_(1, index, staging[i])
-        if self._expected.get(rid) is not exp:
+        exp.receiving = asyncio.get_running_loop().create_future()
+        try:
+            run = contiguous_run(blocks)
+            # a sender that stalls mid-message for longer than the timeout loses its connection (bounded wait)
+            if run is not None:
+                await asyncio.wait_for(conn.recv_many([as_bytes(self.cache[layer, kv, run[0]:run[1]])
+                                                       for layer in layers for kv in (0, 1)]), self.timeout)
+            else:
+                shape = (len(layers), 2, len(blocks)) + tuple(self.cache.shape[3:])
+                staging = torch.empty(shape, dtype=self.cache.dtype)
+                await asyncio.wait_for(conn.recv_many([as_bytes(staging[i, kv]) for i in range(len(layers))
+                                                       for kv in (0, 1)]), self.timeout)
+                if self._expected.get(tid) is exp:  # not cancelled while the bytes were in flight
+                    index = torch.tensor(blocks)
+                    for i, layer in enumerate(layers):
+                        self.cache[layer].index_copy_(1, index, staging[i])
+        finally:
+            exp.receiving.set_result(None)
+            exp.receiving = None
+        if self._expected.get(tid) is not exp:
             return None
         exp.layers_done.update(layers)
-        exp.stats.nbytes += 2 * nbytes * len(layers)
+        exp.stats.nbytes += payloads * n * self.layout.page_nbytes
         exp.stats.layers += len(layers)
         if len(exp.layers_done) < self.layout.num_layers:
+            self._arm(exp)
             return None
-        del self._expected[rid]
+        del self._expected[tid]
+        begun.pop(tid, None)
         exp.timer.cancel()
         exp.stats.seconds = time.perf_counter() - exp.started
         if not exp.future.done():
             exp.future.set_result(exp.stats)
         if self.on_complete:
             self.on_complete(exp.stats)
-        return rid
+        return tid

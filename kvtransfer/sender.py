@@ -230,8 +230,9 @@ class KVSender:
             return peer
 
     def begin(self, request_id: str, address: str, src_block_ids: list[int], dst_block_ids: list[int],
-              trace: dict | None = None) -> None:
-        """Register the request's block mapping on the open connection to `address` (see `connect`)."""
+              secret: str, trace: dict | None = None) -> None:
+        """Register the transfer's block mapping on the open connection to `address` (see `connect`), with the
+        secret the receiver gave out for it."""
         if len(src_block_ids) != len(dst_block_ids):
             raise ValueError(f"request {request_id}: {len(src_block_ids)} source blocks for "
                              f"{len(dst_block_ids)} destination blocks")
@@ -247,7 +248,7 @@ class KVSender:
                                       started_at=time.time(), trace=dict(trace or {})))
         peer.requests[request_id] = req
         self._requests[request_id] = req
-        begin = {"type": "begin", "req": request_id, "blocks": req.dst_block_ids}
+        begin = {"type": "begin", "req": request_id, "blocks": req.dst_block_ids, "secret": secret}
         if req.stats.trace:
             begin["trace"] = req.stats.trace
         peer.queue.put_nowait((begin, (), 0))

@@ -10,8 +10,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtransfer.errors import PeerDisconnected
-from kvtransfer.transport import Connection, Handler, Listener, Transport
+from kvtransfer.errors import PeerDisconnected, ProtocolError
+from kvtransfer.transport import MAX_HEADER, Connection, Handler, Listener, Transport, decode_header
 
 _LEN = struct.Struct("!I")
 _SOCK_BUF = 4 << 20
@@ -35,6 +35,8 @@ class TCPConnection(Connection):
 
     async def send(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None:
         blob = json.dumps(header).encode()
+        if len(blob) > MAX_HEADER:
+            raise ProtocolError(f"header of {len(blob)} bytes (at most {MAX_HEADER})")
         try:
             await self.loop.sock_sendall(self.sock, _LEN.pack(len(blob)) + blob)
             for p in payloads:
@@ -56,9 +58,12 @@ class TCPConnection(Connection):
     async def recv_header(self) -> dict:
         size = bytearray(_LEN.size)
         await self._fill(memoryview(size))
-        blob = bytearray(_LEN.unpack(size)[0])
+        n = _LEN.unpack(size)[0]
+        if n > MAX_HEADER:
+            raise ProtocolError(f"{self.peer} announced a {n}-byte header (at most {MAX_HEADER})")
+        blob = bytearray(n)
         await self._fill(memoryview(blob))
-        return json.loads(blob)
+        return decode_header(blob)
 
     async def recv_into(self, buffer: np.ndarray) -> None:
         await self._fill(memoryview(buffer).cast("B"))

@@ -1,16 +1,34 @@
 """The message interface kvtransfer speaks, whatever carries the bytes (UCX by default, plain TCP as baseline).
 
 A message is a small JSON header followed by zero or more raw payloads whose sizes the header states, so the
-receiver can land each payload straight into the memory it belongs to.
+receiver can land each payload straight into the memory it belongs to. A header larger than MAX_HEADER bytes is
+refused before it is read.
 """
 
 from __future__ import annotations
 
 import abc
+import json
 from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 import torch
+
+
+MAX_HEADER = 64 << 10
+
+
+def decode_header(blob: bytes | bytearray) -> dict:
+    """A header's JSON object; anything else (bad JSON, a list) breaks the protocol."""
+    from kvtransfer.errors import ProtocolError
+
+    try:
+        header = json.loads(blob)
+    except ValueError as e:
+        raise ProtocolError(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a JSON object")
+    return header
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:

@@ -15,8 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtransfer.errors import PeerDisconnected
-from kvtransfer.transport import Connection, Handler, Listener, Transport
+from kvtransfer.errors import PeerDisconnected, ProtocolError
+from kvtransfer.transport import MAX_HEADER, Connection, Handler, Listener, Transport, decode_header
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +45,26 @@ def _errors():
     return (ucxx.exceptions.UCXError, ucxx.exceptions.UCXCanceled, ucxx.exceptions.UCXCloseError)
 
 
-_FRAME = 512  # headers travel in one fixed-size message: one receive, no size message first
+_FRAME = 512  # header bytes travel in fixed-size frames, so a pre-posted frame receive always fits the next one
 _FRAME_BODY = _FRAME - 4
 
 
 def _frames(header: dict) -> list[np.ndarray]:
+    """The first frame holds the header's length and its first bytes; longer headers continue in more frames."""
     blob = json.dumps(header).encode()
-    frame = np.zeros(_FRAME, dtype=np.uint8)
-    frame[:4] = np.frombuffer(np.uint32(len(blob)).tobytes(), dtype=np.uint8)
+    if len(blob) > MAX_HEADER:
+        raise ProtocolError(f"header of {len(blob)} bytes (at most {MAX_HEADER})")
+    first = np.zeros(_FRAME, dtype=np.uint8)
+    first[:4] = np.frombuffer(np.uint32(len(blob)).tobytes(), dtype=np.uint8)
     head = np.frombuffer(blob[:_FRAME_BODY], dtype=np.uint8)
-    frame[4:4 + head.size] = head
-    if len(blob) <= _FRAME_BODY:
-        return [frame]
-    return [frame, np.frombuffer(blob[_FRAME_BODY:], dtype=np.uint8)]
+    first[4:4 + head.size] = head
+    frames = [first]
+    for start in range(_FRAME_BODY, len(blob), _FRAME):
+        frame = np.zeros(_FRAME, dtype=np.uint8)
+        chunk = np.frombuffer(blob[start:start + _FRAME], dtype=np.uint8)
+        frame[:chunk.size] = chunk
+        frames.append(frame)
+    return frames
 
 
 class UCXConnection(Connection):
@@ -100,12 +107,14 @@ class UCXConnection(Connection):
         self._next_frame = None
         await self._all([fut])
         size = int(frame[:4].view(np.uint32)[0])
+        if size > MAX_HEADER:
+            raise ProtocolError(f"{self.peer} announced a {size}-byte header (at most {MAX_HEADER})")
         blob = frame[4:4 + min(size, _FRAME_BODY)].tobytes()
         if size > _FRAME_BODY:
-            rest = np.empty(size - _FRAME_BODY, dtype=np.uint8)
-            await self.recv_many([rest])
-            blob += rest.tobytes()
-        return json.loads(blob)
+            more = [np.empty(_FRAME, dtype=np.uint8) for _ in range(-(-(size - _FRAME_BODY) // _FRAME))]
+            await self._all([asyncio.ensure_future(self.ep.recv(f)) for f in more])
+            blob += b"".join(f.tobytes() for f in more)[: size - _FRAME_BODY]
+        return decode_header(blob)
 
     async def recv_into(self, buffer: np.ndarray) -> None:
         await self.recv_many([buffer])
@@ -167,7 +176,13 @@ class UCXTransport(Transport):
         return UCXListener(host, handler)
 
     async def connect(self, host: str, port: int, timeout: float) -> Connection:
-        ep = await asyncio.wait_for(_ucxx().create_endpoint(host, port), timeout)
+        ucxx = _ucxx()
+        try:
+            ep = await asyncio.wait_for(ucxx.create_endpoint(host, port), timeout)
+        except asyncio.TimeoutError:
+            raise
+        except Exception as e:  # noqa: BLE001 - ucxx raises its own types (not connected, reset, ...)
+            raise PeerDisconnected(f"cannot open a UCX endpoint to {host}:{port}: {e!r}") from e
         return UCXConnection(ep, f"{host}:{port}")
 
 

@@ -7,7 +7,8 @@ from typing import AsyncIterator, Sequence
 
 import grpc
 
-from pdserve.grpc_server import CHANNEL_OPTIONS
+from pdserve.grpc_server import open_channel
+from pdserve.security import TLSConfig
 from protos import common_pb2, generation_pb2, generation_pb2_grpc
 
 
@@ -40,9 +41,14 @@ def build_request(prompt: str | None = None, messages: Sequence[dict] | None = N
 
 
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50051") -> None:
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """`api_key` goes with every call (`authorization: Bearer <key>`); `tls` (a CA to verify the gateway, and a
+    certificate where the server asks for one) switches the channel to TLS."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", api_key: str | None = None,
+                 tls: TLSConfig | None = None) -> None:
+        self.channel = open_channel(address, tls)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     async def __aenter__(self) -> "Client":
         return self
@@ -56,7 +62,7 @@ class Client:
     def stream(self, prompt: str | None = None, messages: Sequence[dict] | None = None, timeout: float | None = None,
                **kw) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Server-streaming Generate; cancel the returned call (or stop iterating) to cancel the request."""
-        return self.stub.Generate(build_request(prompt, messages, **kw), timeout=timeout)
+        return self.stub.Generate(build_request(prompt, messages, **kw), timeout=timeout, metadata=self.metadata)
 
     async def complete(self, prompt: str | None = None, messages: Sequence[dict] | None = None,
                        timeout: float | None = None, **kw) -> Completion:
@@ -78,7 +84,7 @@ class Client:
             req.prompt = prompt
         else:
             req.chat.messages.extend(generation_pb2.ChatMessage(**m) for m in messages or [])
-        return list((await self.stub.Tokenize(req)).token_ids)
+        return list((await self.stub.Tokenize(req, metadata=self.metadata)).token_ids)
 
     async def list_models(self) -> list[generation_pb2.ModelInfo]:
-        return list((await self.stub.ListModels(generation_pb2.ListModelsRequest())).models)
+        return list((await self.stub.ListModels(generation_pb2.ListModelsRequest(), metadata=self.metadata)).models)

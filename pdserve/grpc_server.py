@@ -14,6 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from pdserve.security import TLSConfig
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 64 << 20
@@ -88,11 +90,23 @@ def _check_free(host: str, port: int) -> None:
             raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
+def open_channel(address: str, tls: TLSConfig | None = None,
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
+    """A channel to another pdserve service: TLS (presenting this service's certificate) when configured."""
+    creds = tls.channel_credentials() if tls is not None else None
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=list(interceptors) or None)
+    return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS, interceptors=list(interceptors) or None)
+
+
 async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], None],
                        service_names: Iterable[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                       enable_reflection: bool = True, serving: bool = True) -> RunningServer:
+                       enable_reflection: bool = True, serving: bool = True, tls: TLSConfig | None = None,
+                       require_client_cert: bool = False) -> RunningServer:
     """Start a server with health and, unless disabled, reflection; health says SERVING at once, or (`serving`
-    False) once the caller calls `serving()`. Raises PortInUse, naming the address, when it cannot listen there."""
+    False) once the caller calls `serving()`. With `tls`, the port speaks TLS (and, with `require_client_cert`
+    and a CA, only to callers holding a certificate it signed). Raises PortInUse, naming the address, when it
+    cannot listen there."""
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
     register(server)
     health_servicer = health_aio.HealthServicer()
@@ -101,8 +115,10 @@ async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server
     if enable_reflection:
         _add_reflection(server, names)
     _check_free(host, port)
+    creds = tls.server_credentials(require_client_cert) if tls is not None else None
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = (server.add_secure_port(f"{host}:{port}", creds) if creds is not None
+                 else server.add_insecure_port(f"{host}:{port}"))
     except RuntimeError:
         bound = 0
     if bound == 0:

@@ -7,9 +7,13 @@ import logging
 import grpc
 
 from engine.config import EngineConfig
-from kvtransfer.errors import TransferError
+from engine.engine_loop import EngineStopped
+from engine.sampler import SamplingError
 from kernels.kv_layout import LayoutMismatch
+from kvtransfer.errors import TransferError
+from pdserve.failure import failure_metadata
 from pdserve.grpc_server import RunningServer, start_server
+from pdserve.security import TLSConfig
 from pdserve.tracing import Tracing
 from pdserve.wire import job_from_proto, result_to_proto
 from prefill_service.worker import PrefillWorker, QueueFull
@@ -19,20 +23,28 @@ log = logging.getLogger(__name__)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, worker: PrefillWorker) -> None:
+    def __init__(self, worker: PrefillWorker, address: str) -> None:
         self.worker = worker
+        self.address = address
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        here = failure_metadata("prefill", self.address)
         try:
             result = await self.worker.prefill(job_from_proto(request))
         except LayoutMismatch as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e), here)
+        except SamplingError as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"prefill worker {self.address}: {e}", here)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), here)
         except QueueFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill worker {self.address}: {e}", here)
         except TransferError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer to {request.kv_target.address} failed: {e}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"prefill worker {self.address}: KV transfer to {request.kv_target.address} "
+                                f"failed: {e}", here)
+        except EngineStopped as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.address}: {e}", here)
         return result_to_proto(result)
 
     async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
@@ -40,14 +52,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
 
 async def serve(cfg: EngineConfig, host: str, port: int, transport: str, tracing: Tracing | None = None,
-                reflection: bool = False) -> tuple[RunningServer, PrefillWorker]:
+                reflection: bool = False, tls: TLSConfig | None = None) -> tuple[RunningServer, PrefillWorker]:
     tracing = tracing or Tracing("pdserve-prefill")
     worker = PrefillWorker(cfg, transport=transport, tracer=tracing.tracer)
     await worker.start()
     running = await start_server(
-        host, port, lambda s: worker_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(worker), s),
+        host, port, lambda s: worker_pb2_grpc.add_PrefillServiceServicer_to_server(
+            PrefillServicer(worker, f"{host}:{port}"), s),
         [worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name],
-        interceptors=tracing.server_interceptors(), enable_reflection=reflection)
+        interceptors=tracing.server_interceptors(), enable_reflection=reflection, tls=tls, require_client_cert=True)
     worker.loop.on_fatal = running.fail
     log.info("prefill worker on %s:%d", host, running.port)
     return running, worker

@@ -21,7 +21,7 @@ from opentelemetry import trace
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, StepOutput
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, EngineStopped
 from engine.model_runner import LayerHook
 from engine.sampler import SampleOutput
 from engine.scheduler import ScheduledBatch
@@ -80,9 +80,14 @@ class PrefillWorker:
         self.requests_total = 0
         self._jobs: dict[Sequence, _Job] = {}
         self._finishing: set[asyncio.Task] = set()
+        self._closing = False
 
     async def start(self) -> None:
         self.loop.start()
+
+    async def close(self) -> None:
+        """Refuse new prompts (the server is draining); those in flight finish."""
+        self._closing = True
 
     async def stop(self) -> None:
         await self.loop.stop()
@@ -96,8 +101,8 @@ class PrefillWorker:
             raise ValueError("num_prompt_tokens must be in [1, len(token_ids)]")
         if len(job.block_ids) != self.core.allocator.blocks_needed(n):
             raise ValueError(f"KV target has {len(job.block_ids)} blocks for {n} tokens")
-        if not job.transfer_id:
-            raise ValueError("kv_target.transfer_id is required")
+        if not 0 < len(job.transfer_id) <= 128 or not job.transfer_secret:
+            raise ValueError("kv_target needs a transfer_id (1..128 characters) and a secret")
         if job.layout_fingerprint != self.layout.fingerprint:
             raise LayoutMismatch(f"KV layout fingerprint {job.layout_fingerprint!r} does not match this worker's "
                                  f"{self.layout.fingerprint!r} ({self.layout.compatibility_fields()})")
@@ -121,6 +126,8 @@ class PrefillWorker:
                         seconds=round(time.perf_counter() - t0, 4), decode_kv=job.kv_address, **fields)
 
     async def _prefill(self, job: PrefillJob) -> PrefillResult:
+        if self._closing:
+            raise EngineStopped("prefill worker is shutting down")
         self.check(job)
         if len(self.core.scheduler.waiting) >= self.max_queued:
             raise QueueFull(f"{len(self.core.scheduler.waiting)} prompts already waiting")
@@ -161,7 +168,7 @@ class PrefillWorker:
                             "kv.transport": self.sender.transport.name, "kv.blocks": len(seq.block_ids)})
             try:
                 self.sender.begin(spec.transfer_id, spec.kv_address, seq.block_ids, spec.block_ids,
-                                  trace=inject(span))
+                                  spec.transfer_secret, trace=inject(span))
             except (TransferError, ValueError) as e:
                 log.warning("request %s: cannot send KV to %s: %s", seq.request_id, spec.kv_address, e)
                 self._fail(entry, e)

@@ -20,28 +20,46 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_prompt_tokens")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_prompt_tokens", "stream_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     finish_reason: _common_pb2.FinishReason
     cached_prompt_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    stream_id: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ..., stream_id: _Optional[str] = ...) -> None: ...
+
+class FinishRequest(_message.Message):
+    __slots__ = ("stream_id", "reason")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    reason: _common_pb2.FinishReason
+    def __init__(self, stream_id: _Optional[str] = ..., reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+
+class FinishResponse(_message.Message):
+    __slots__ = ("finished",)
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    finished: bool
+    def __init__(self, finished: _Optional[bool] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("address", "block_ids", "layout_fingerprint", "transfer_id")
+    __slots__ = ("address", "block_ids", "layout_fingerprint", "transfer_id", "secret")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     layout_fingerprint: str
     transfer_id: str
-    def __init__(self, address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_fingerprint: _Optional[str] = ..., transfer_id: _Optional[str] = ...) -> None: ...
+    secret: str
+    def __init__(self, address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_fingerprint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "kv_target")

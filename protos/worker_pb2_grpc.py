@@ -40,6 +40,11 @@ class DecodeServiceStub:
                 request_serializer=protos_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Finish = channel.unary_unary(
+                '/pdserve.v1.DecodeService/Finish',
+                request_serializer=protos_dot_worker__pb2.FinishRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.FinishResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdserve.v1.DecodeService/GetStats',
                 request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
@@ -53,6 +58,15 @@ class DecodeServiceServicer:
 
     def Decode(self, request, context):
         """Reserves KV blocks, has `prefill_address` fill them, then streams tokens from the continuous batch.
+        Failures carry trailing metadata `pdserve-failed-party` (decode | prefill) and `pdserve-failed-address`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Finish(self, request, context):
+        """Ends a Decode stream early with a finish reason (the gateway found a stop string): the stream then ends
+        normally, its blocks are freed, and the worker records the request as finished, not cancelled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -71,6 +85,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=protos_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Finish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Finish,
+                    request_deserializer=protos_dot_worker__pb2.FinishRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.FinishResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -106,6 +125,33 @@ class DecodeService:
             '/pdserve.v1.DecodeService/Decode',
             protos_dot_worker__pb2.DecodeRequest.SerializeToString,
             protos_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Finish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/Finish',
+            protos_dot_worker__pb2.FinishRequest.SerializeToString,
+            protos_dot_worker__pb2.FinishResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,6 +13,7 @@ import time
 import torch
 
 LAYOUT = dict(model="test-model", dtype="float32", num_layers=4, block_size=4, num_kv_heads=2, head_dim=8)
+SECRET = "the-receivers-secret"
 
 
 def make_cache(num_blocks: int, seed: int | None, layout: dict) -> torch.Tensor:
@@ -56,7 +57,7 @@ def receiver_main(pipe, transport_name: str, layout: dict, num_blocks: int, time
             cmd = await commands.get()
             if cmd[0] == "expect":
                 _, rid, blocks, t = cmd
-                task = asyncio.create_task(wait(rid, recv.expect(rid, blocks, timeout=t)))
+                task = asyncio.create_task(wait(rid, recv.expect(rid, blocks, SECRET, timeout=t)))
                 waiters.add(task)
                 task.add_done_callback(waiters.discard)
             elif cmd[0] == "cancel":
@@ -90,7 +91,7 @@ def _pump(pipe, loop, queue) -> None:
 
 
 def sender_main(pipe, transport_name: str, layout: dict, num_blocks: int, address: str, jobs: list, seed: int,
-                timeout: float, stall_after_layers: int | None = None) -> None:
+                timeout: float, stall_after_layers: int | None = None, secret: str = SECRET) -> None:
     """Run every job (request id, source blocks, destination blocks) concurrently; report per-request outcome.
 
     With stall_after_layers, each request sends that many layers, reports "stalled", and the process waits to
@@ -103,7 +104,7 @@ def sender_main(pipe, transport_name: str, layout: dict, num_blocks: int, addres
     async def one(sender, rid, src, dst) -> None:
         try:
             await sender.connect(address)
-            sender.begin(rid, address, src, dst)
+            sender.begin(rid, address, src, dst, secret)
             layers = layout["num_layers"] if stall_after_layers is None else stall_after_layers
 
             def forward() -> None:  # the forward pass's thread, layer by layer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,10 +28,33 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def free_port() -> int:
+_given: set[int] = set()
+_rng = random.Random(os.getpid())
+
+
+def _free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(span: int = 1) -> int:
+    """The first of `span` consecutive free 127.0.0.1 ports below the kernel's ephemeral range, never handed out
+    twice in this run: ports the kernel picks for listeners that bind port 0 (UCX's KV listeners, clients) never
+    land on them in the moment between choosing them and a service binding them."""
+    range_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(range_file.read_text().split()[0]) if range_file.is_file() else 32768
+    for _ in range(1000):
+        base = _rng.randrange(max(1024, low - 12000), low - span)
+        ports = range(base, base + span)
+        if any(p in _given for p in ports) or not all(_free(p) for p in ports):
+            continue
+        _given.update(ports)
+        return base
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def service_env() -> dict:
@@ -40,10 +64,16 @@ def service_env() -> dict:
     return env
 
 
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+def channel(address: str, tls=None) -> grpc.Channel:
+    """A blocking channel to a service (TLS, with this test's client certificate, when `tls` is given)."""
+    creds = tls.channel_credentials() if tls is not None else None
+    return grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+
+
+def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 180.0, tls=None) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    with channel(address, tls) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"service {proc.args} exited with {proc.returncode}")
@@ -62,11 +92,12 @@ class Stack:
     decode: list[str]
     procs: list[subprocess.Popen] = field(default_factory=list)
     metrics: dict[str, str] = field(default_factory=dict)  # role -> /metrics URL
+    tls: object = None  # a TLSConfig when the stack speaks TLS
 
     def stats(self, address: str, role: str) -> worker_pb2.WorkerStats:
         stub_cls = worker_pb2_grpc.PrefillServiceStub if role == "prefill" else worker_pb2_grpc.DecodeServiceStub
-        with grpc.insecure_channel(address) as channel:
-            return stub_cls(channel).GetStats(worker_pb2.StatsRequest(), timeout=5)
+        with channel(address, self.tls) as ch:
+            return stub_cls(ch).GetStats(worker_pb2.StatsRequest(), timeout=5)
 
     def wait_idle(self, timeout: float = 30.0) -> worker_pb2.WorkerStats:
         """Until every worker holds no KV block for a request (cached prefix blocks are free)."""
@@ -93,21 +124,23 @@ class Stack:
 
 def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1, decode_extra: list[str] = (),
                 observe: list[str] = (), env: dict | None = None, log_dir: Path | None = None,
-                colocated: bool = False, decode_workers: int = 1, gateway_extra: list[str] = ()) -> Stack:
+                colocated: bool = False, decode_workers: int = 1, gateway_extra: list[str] = (),
+                everyone: list[str] = (), tls=None, prefill_workers: int = 1) -> Stack:
     """Prefill, decode (`decode_workers` of them) and gateway on free ports; `observe` goes to all of them
-    (e.g. --otlp-endpoint). With `log_dir`, each service's stderr goes to `<role>.log` there."""
+    (e.g. --otlp-endpoint), and so does `everyone` (e.g. TLS flags; pass the test's own `tls` for its
+    channels). With `log_dir`, each service's stderr goes to `<role>.log` there."""
     exe = [sys.executable, "-m", "cli"]
     env = {**service_env(), **(env or {})}
-    p_port, g_port = free_port(), free_port()
+    g_port = free_port()
+    p_ports = [free_port() for _ in range(0 if colocated else prefill_workers)]
     d_ports = [free_port() for _ in range(decode_workers)]
     metric_ports = {role: free_port() for role in ("prefill", "decode", "gateway")}
-    stack = Stack(f"127.0.0.1:{g_port}", [] if colocated else [f"127.0.0.1:{p_port}"],
-                  [f"127.0.0.1:{p}" for p in d_ports],
-                  metrics={role: f"http://127.0.0.1:{port}/metrics" for role, port in metric_ports.items()})
+    stack = Stack(f"127.0.0.1:{g_port}", [f"127.0.0.1:{p}" for p in p_ports], [f"127.0.0.1:{p}" for p in d_ports],
+                  metrics={role: f"http://127.0.0.1:{port}/metrics" for role, port in metric_ports.items()}, tls=tls)
     common = ["--dtype", dtype, "--threads", str(threads), "--kv-cache-memory", "128M", *extra]
 
     def spawn(role: str, args: list[str], metrics_port: int, log_name: str) -> None:
-        argv = [*exe, role, *args, "--metrics-port", str(metrics_port), *observe]
+        argv = [*exe, role, *args, "--metrics-port", str(metrics_port), *observe, *everyone]
         if log_dir is None:
             stack.procs.append(subprocess.Popen(argv, env=env))
             return
@@ -115,8 +148,9 @@ def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1,
             stack.procs.append(subprocess.Popen(argv, env=env, stderr=err))
 
     try:
-        if not colocated:
-            spawn("prefill", ["--port", str(p_port), *common], metric_ports["prefill"], "prefill")
+        for i, port in enumerate(p_ports):
+            spawn("prefill", ["--port", str(port), *common], metric_ports["prefill"] if i == 0 else free_port(),
+                  "prefill" if i == 0 else f"prefill{i}")
         for i, port in enumerate(d_ports):
             metrics = metric_ports["decode"] if i == 0 else free_port()
             spawn("colocated" if colocated else "decode", ["--port", str(port), *common, *decode_extra], metrics,
@@ -124,7 +158,7 @@ def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1,
         spawn("gateway", ["--port", str(g_port), "--prefill", ",".join(stack.prefill), "--decode",
                           ",".join(stack.decode), *gateway_extra], metric_ports["gateway"], "gateway")
         for addr, proc in zip([*stack.prefill, *stack.decode, stack.gateway], stack.procs):
-            wait_serving(addr, proc)
+            wait_serving(addr, proc, tls=tls)
     except BaseException:
         stack.stop()
         raise

@@ -130,7 +130,7 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 def _start_up(*extra: str) -> tuple[subprocess.Popen, dict[str, int]]:
-    ports = {"gateway": free_port(), "prefill": free_port(), "decode": free_port()}
+    ports = {"gateway": free_port(), "prefill": free_port(2), "decode": free_port(2)}
     proc = subprocess.Popen([*PDSERVE, "--log-level", "WARNING", "up", "--port", str(ports["gateway"]),
                              "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
                              "--kv-cache-memory", "128M", "--metrics-port", "-1", *extra],

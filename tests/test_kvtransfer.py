@@ -240,3 +240,101 @@ def test_parse_address():
     assert parse_address("ucx://127.0.0.1:5000") == ("ucx", "127.0.0.1", 5000)
     with pytest.raises(ValueError):
         parse_address("127.0.0.1:5000")
+
+
+@TRANSPORTS
+def test_wrong_secret_writes_nothing_and_closes_only_that_connection(transport, env_loopback):
+    """A sender that knows the address and the transfer id but not its secret is cut off before a byte lands;
+    the transfer still completes from the sender that holds the secret."""
+    recv, address = _receiver(transport)
+    intruder = honest = None
+    try:
+        recv.pipe.send(("expect", "t", [3, 4], None))
+        intruder = Peer(sender_main, transport, LAYOUT, SEND_BLOCKS, address, [("t", [1, 2], [3, 4])], 5, WAIT,
+                        None, "a-guess")
+        failed = intruder.expect("send_failed")
+        assert failed[1] == "t"
+        recv.pipe.send(("read", [3, 4]))
+        assert torch.count_nonzero(recv.expect("blocks")[1]) == 0
+        honest = Peer(sender_main, transport, LAYOUT, SEND_BLOCKS, address, [("t", [1, 2], [3, 4])], 6, WAIT)
+        assert honest.expect("sent")[1] == "t"
+        assert recv.expect("done")[1] == "t"
+        recv.pipe.send(("read", [3, 4]))
+        assert torch.equal(recv.expect("blocks")[1], make_cache(SEND_BLOCKS, 6, LAYOUT)[:, :, [1, 2]])
+    finally:
+        for p in (recv, intruder, honest):
+            if p:
+                p.stop()
+
+
+@TRANSPORTS
+def test_long_transfer_ids_and_headers_keep_the_connection_healthy(transport, env_loopback):
+    """Headers longer than one UCX frame (a 128-character id, a long block list) frame correctly; several such
+    transfers share one connection."""
+    recv, address = _receiver(transport)
+    sender = None
+    try:
+        jobs = [(c * 128, [i, 40 - i], [i * 2, i * 2 + 1]) for i, c in enumerate("abc")]
+        jobs.append(("d" * 100, list(range(30, 46)), list(range(45, 61))))
+        for rid, _, dst in jobs:
+            recv.pipe.send(("expect", rid, dst, None))
+        sender = Peer(sender_main, transport, LAYOUT, SEND_BLOCKS, address, jobs, 8, WAIT)
+        assert {m[1] for m in sender.collect({"sent"}, len(jobs))} == {j[0] for j in jobs}
+        assert {m[1] for m in recv.collect({"done"}, len(jobs))} == {j[0] for j in jobs}
+        source = make_cache(SEND_BLOCKS, 8, LAYOUT)
+        for rid, src, dst in jobs:
+            recv.pipe.send(("read", dst))
+            assert torch.equal(recv.expect("blocks")[1], source[:, :, src]), rid
+    finally:
+        recv.stop()
+        if sender:
+            sender.stop()
+
+
+def _raw_tcp(address: str, messages: list[bytes]) -> bytes:
+    """Send raw bytes to a TCP receiver; return what it answers before it closes the connection."""
+    _, host, port = parse_address(address)
+    with socket.create_connection((host, port), timeout=WAIT) as s:
+        for m in messages:
+            s.sendall(m)
+        s.settimeout(WAIT)
+        got = b""
+        while chunk := s.recv(4096):
+            got += chunk
+        return got
+
+
+def _frame(header: dict) -> bytes:
+    import json
+    import struct
+
+    blob = json.dumps(header).encode()
+    return struct.pack("!I", len(blob)) + blob
+
+
+def test_hostile_peer_is_cut_off_without_allocating_what_it_announces(env_loopback):
+    """Oversized headers, junk, and a layer message announcing 10**12 blocks each close the connection at once;
+    the receiver keeps serving honest senders."""
+    import struct
+
+    recv, address = _receiver("tcp")
+    sender = None
+    try:
+        hello = _frame({"type": "hello", "layout": dict(LAYOUT, num_blocks=1)})
+        assert _raw_tcp(address, [struct.pack("!I", 1 << 31)]) == b""  # a 2 GiB header: refused unread
+        assert _raw_tcp(address, [_frame({"type": "hello", "layout": "nope"})]) == b""
+        answer = _raw_tcp(address, [hello, _frame({"type": "layer", "req": "x", "layers": [0], "n": 10**12})])
+        assert b"hello_ok" in answer  # it got as far as the handshake, then was closed
+        answer = _raw_tcp(address, [hello, b"\x00\x00\x00\x05[1,2]"])
+        assert b"hello_ok" in answer
+        job = ("after", [5, 9], [7, 8])
+        recv.pipe.send(("expect", job[0], job[2], None))
+        sender = Peer(sender_main, "tcp", LAYOUT, SEND_BLOCKS, address, [job], 11, WAIT)
+        assert sender.expect("sent")[1] == "after"
+        assert recv.expect("done")[1] == "after"
+        recv.pipe.send(("read", job[2]))
+        assert torch.equal(recv.expect("blocks")[1], make_cache(SEND_BLOCKS, 11, LAYOUT)[:, :, job[1]])
+    finally:
+        recv.stop()
+        if sender:
+            sender.stop()

@@ -159,7 +159,7 @@ async def test_failed_request_is_counted_by_status(observed_stack):
     stack, otlp, _ = observed_stack
     before = scrape(stack.metrics["gateway"])
     async with Client(stack.gateway) as client:
-        with pytest.raises(Exception, match="unknown model"):
+        with pytest.raises(Exception, match="does not exist"):
             await client.complete(prompt="hi", model="no-such-model")
     name = "pdserve_gateway_requests_total"
     for _ in range(50):  # the server counts after the client has its answer
@@ -167,7 +167,7 @@ async def test_failed_request_is_counted_by_status(observed_stack):
         if total(after, name) > total(before, name):
             break
         await asyncio.sleep(0.1)
-    assert total(after, name, status="INVALID_ARGUMENT") - total(before, name, status="INVALID_ARGUMENT") == 1
+    assert total(after, name, status="NOT_FOUND") - total(before, name, status="NOT_FOUND") == 1
 
 
 def test_tracing_off_records_nothing_and_installs_nothing():

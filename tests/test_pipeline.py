@@ -165,9 +165,13 @@ async def test_stop_string_is_never_streamed(stack, tokenizer):
     (dict(prompt="hi", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     (dict(prompt="hi", top_p=2.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
     (dict(prompt="hi", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-    (dict(prompt="hi", model="gpt-9"), grpc.StatusCode.INVALID_ARGUMENT, "unknown model"),
-    (dict(messages=[]), grpc.StatusCode.INVALID_ARGUMENT, "no messages"),
+    (dict(prompt="hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "does not exist"),
+    (dict(messages=[]), grpc.StatusCode.INVALID_ARGUMENT, "messages"),
     (dict(prompt="hi", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+    (dict(prompt="hi", temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (dict(prompt="hi", max_tokens=10**9), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    (dict(prompt="hi", request_id="r" * 600), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+    (dict(prompt="x" * (5 << 20)), grpc.StatusCode.INVALID_ARGUMENT, "bytes"),
 ])
 async def test_bad_input_gets_its_status_and_service_keeps_serving(stack, kwargs, code, needle):
     async with Client(stack.gateway) as client:

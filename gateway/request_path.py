@@ -1,0 +1,345 @@
+"""One request's path through the gateway, whatever front door it came in by (gRPC or the OpenAI HTTP API).
+
+Validate (byte sizes before any tokenizing), tokenize off the event loop, pick a decode and a prefill worker,
+stream from the decode worker (retrying elsewhere if a worker refuses before the first token), detokenize
+incrementally, hold back text that could begin a stop string, and end with a finish reason and usage. Every
+failure is a `RequestError` carrying the gRPC status it maps to and, for bad input, the parameter at fault;
+the front doors only translate. Metrics, the request log line and the span attributes are recorded here, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+from opentelemetry import trace
+
+from gateway.metrics import GatewayMetrics
+from gateway.router import NoWorkerAvailable, Router, WorkerHandle
+from gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
+from gateway.tokenizer import Tokenizer
+from pdserve.logs import REQUEST_LOGGER, log_request
+from pdserve.tracing import trace_id
+from pdserve.failure import FAILED_ADDRESS, FAILED_PARTY
+from protos import common_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+request_log = logging.getLogger(REQUEST_LOGGER)
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_REQUEST_ID = 128
+FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+          common_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+def deadline_passed(deadline: float | None) -> bool:
+    """Whether a cancellation is the deadline's (give or take the clock skew between caller and callee)."""
+    return deadline is not None and time.monotonic() >= deadline - 0.1
+
+
+class RequestError(Exception):
+    """Why a request failed: a gRPC status, a message for the caller, and the parameter at fault if any."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+
+def invalid(param: str, message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message, param)
+
+
+@dataclass
+class GenerationRequest:
+    """Exactly one of `prompt`, `messages`, `token_ids`. `sampling` is what the workers get (no stop strings);
+    `stop` strings are applied here."""
+
+    request_id: str
+    sampling: common_pb2.SamplingParams
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    token_ids: list[int] | None = None
+    stop: list[str] = field(default_factory=list)
+    model: str = ""
+    deadline: float | None = None  # time.monotonic() by which the request must end
+
+
+@dataclass
+class Delta:
+    """What one streamed message carries; the last one has `finish_reason` and `usage`."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[common_pb2.TokenLogprob]
+    finish_reason: str | None = None
+    usage: common_pb2.Usage | None = None
+
+
+@dataclass
+class Outcome:
+    """What one request did, filled in as it goes; read once at the end."""
+
+    request_id: str
+    start: float
+    front: str
+    status: str = "OK"
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: float | None = None
+    last_token: float = 0.0
+    decode: str = ""
+    prefill: str = ""
+
+
+class RequestPath:
+    def __init__(self, tokenizer: Tokenizer, model_name: str, router: Router, max_attempts: int = 3,
+                 max_prompt_bytes: int = 1 << 20, tracer: trace.Tracer | None = None,
+                 metrics: GatewayMetrics | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.router = router
+        self.max_attempts = max_attempts
+        self.max_prompt_bytes = max_prompt_bytes
+        self.tracer = tracer or trace.NoOpTracer()
+        self.metrics = metrics or GatewayMetrics()
+        self._tokenize = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+
+    def close(self) -> None:
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
+
+    # ---- validation and tokens ---------------------------------------------------------------------------
+
+    def check(self, req: GenerationRequest) -> None:
+        """What can be checked without tokenizing: sizes first, so a huge input costs nothing."""
+        if req.model and req.model != self.model_name:
+            raise RequestError(grpc.StatusCode.NOT_FOUND,
+                               f"model {req.model!r} does not exist; this gateway serves {self.model_name!r}", "model")
+        if len(req.request_id) > MAX_REQUEST_ID:
+            raise invalid("request_id", f"request_id is {len(req.request_id)} characters; at most {MAX_REQUEST_ID}")
+        if req.prompt is not None:
+            size = len(req.prompt.encode())
+        elif req.messages is not None:
+            if not req.messages:
+                raise invalid("messages", "messages is empty: a chat needs at least one message")
+            size = sum(len(str(m.get("content", "")).encode()) for m in req.messages)
+        else:
+            size = 4 * len(req.token_ids or [])
+        if size > self.max_prompt_bytes:
+            raise invalid("prompt" if req.messages is None else "messages",
+                          f"the prompt is {size} bytes; this gateway takes at most {self.max_prompt_bytes}")
+        if len(req.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LENGTH for s in req.stop):
+            raise invalid("stop", f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                                  f"{MAX_STOP_LENGTH} characters")
+
+    async def prompt_ids(self, req: GenerationRequest) -> list[int]:
+        self.check(req)
+        loop = asyncio.get_running_loop()
+        if req.prompt is not None:
+            ids = await loop.run_in_executor(self._tokenize, self.tokenizer.encode, req.prompt)
+        elif req.messages is not None:
+            try:
+                ids = await loop.run_in_executor(self._tokenize, self.tokenizer.apply_chat_template, req.messages)
+            except Exception as e:  # noqa: BLE001 - template errors are the caller's input
+                raise invalid("messages", f"the chat template failed on these messages: {e}") from None
+        else:
+            ids = list(req.token_ids or [])
+            vocab = self.tokenizer.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise invalid("prompt", f"prompt token ids must be in [0, {vocab})")
+        if not ids:
+            raise invalid("prompt", "the prompt is empty")
+        limit = self.router.max_model_len
+        if limit and len(ids) >= limit:
+            raise invalid("prompt", f"the prompt has {len(ids)} tokens; the model context is {limit}")
+        return ids
+
+    # ---- one request -------------------------------------------------------------------------------------
+
+    async def run(self, req: GenerationRequest, front: str) -> AsyncIterator[Delta]:
+        """Stream one request, then count it, log it and close its span, however it ended."""
+        out = Outcome(req.request_id, time.perf_counter(), front)
+        span = trace.get_current_span()  # the front door's server span (non-recording when tracing is off)
+        span.set_attributes({"pdserve.request_id": req.request_id, "pdserve.model": self.model_name,
+                             "pdserve.front": front})
+        self.metrics.in_flight.inc()
+        try:
+            async for delta in self._generate(req, out):
+                yield delta
+        except RequestError as e:
+            out.status = e.code.name
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            out.status = "DEADLINE_EXCEEDED" if deadline_passed(req.deadline) else "CANCELLED"
+            raise
+        except BaseException:
+            out.status = "INTERNAL"
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+            self._record(out, span)
+
+    async def _generate(self, req: GenerationRequest, out: Outcome) -> AsyncIterator[Delta]:
+        with self.tracer.start_as_current_span("gateway.tokenize") as span:
+            prompt_ids = await self.prompt_ids(req)
+            span.set_attribute("pdserve.prompt_tokens", len(prompt_ids))
+        out.prompt_tokens = len(prompt_ids)
+        detok = IncrementalDetokenizer(self.tokenizer.hf)
+        matcher = StopStringMatcher(req.stop)
+        usage = common_pb2.Usage(prompt_tokens=len(prompt_ids))
+        tried: set[str] = set()
+        last_error: RequestError | None = None
+        for attempt in range(self.max_attempts):
+            with self.tracer.start_as_current_span("gateway.route") as span:
+                try:
+                    decode, prefill = self.router.pick(tried)
+                except NoWorkerAvailable as e:
+                    raise last_error or RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+                span.set_attributes({"pdserve.decode": decode.address,
+                                     "pdserve.prefill": prefill.address if prefill else "", "pdserve.attempt": attempt})
+            out.decode, out.prefill = decode.address, prefill.address if prefill else ""
+            try:
+                async for delta in self._stream(req, prompt_ids, decode, prefill, detok, matcher, usage, out):
+                    yield delta
+                return
+            except _Retry as retry:
+                self.metrics.retries.inc()
+                tried.add(retry.culprit)
+                last_error = retry.error
+                log.warning("request %s: %s; retrying elsewhere", req.request_id, retry.error.message)
+        raise last_error or RequestError(grpc.StatusCode.UNAVAILABLE, "no worker could serve the request")
+
+    async def _stream(self, req: GenerationRequest, prompt_ids: list[int], decode: WorkerHandle,
+                      prefill: WorkerHandle | None, detok: IncrementalDetokenizer, matcher: StopStringMatcher,
+                      usage: common_pb2.Usage, out: Outcome) -> AsyncIterator[Delta]:
+        timeout = None if req.deadline is None else max(0.0, req.deadline - time.monotonic())
+        decode.inflight += 1
+        prefill_pending = prefill is not None
+        if prefill_pending:
+            prefill.inflight += 1
+        call = decode.stub.Decode(
+            worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=prompt_ids, sampling=req.sampling,
+                                     prefill_address=prefill.address if prefill else ""), timeout=timeout)
+        streamed = False
+        stream_id = ""
+        try:
+            async for resp in call:
+                if not streamed:
+                    usage.cached_prompt_tokens = resp.cached_prompt_tokens
+                    stream_id = resp.stream_id
+                if prefill_pending:
+                    prefill.inflight -= 1
+                    prefill_pending = False
+                streamed = True
+                usage.completion_tokens += len(resp.token_ids)
+                text = matcher.feed(detok.add(resp.token_ids))
+                finish = FINISH.get(resp.finish_reason)
+                if matcher.stopped and not finish:  # a stop string: the worker ends the stream as finished
+                    finish = "stop"
+                    await self._finish_early(decode, stream_id)
+                elif finish:
+                    text += matcher.feed(detok.flush()) + matcher.flush()
+                out.cached_tokens, out.completion_tokens = usage.cached_prompt_tokens, usage.completion_tokens
+                self._token_sent(out)
+                if finish:
+                    out.finish_reason = finish
+                    await self._drain(call)
+                    yield Delta(text, list(resp.token_ids), list(resp.logprobs), finish, usage)
+                    return
+                yield Delta(text, list(resp.token_ids), list(resp.logprobs))
+            raise RequestError(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} ended the stream without "
+                                                         "a finish reason")
+        except grpc.aio.AioRpcError as e:
+            raise self._failure(e, decode, prefill, streamed) from None
+        finally:
+            call.cancel()  # the worker stops generating (and its client span ends) as soon as we are done
+            decode.inflight -= 1
+            if prefill_pending:
+                prefill.inflight -= 1
+
+    @staticmethod
+    async def _finish_early(decode: WorkerHandle, stream_id: str) -> None:
+        """Tell the decode worker this stream is done (a stop string), so it records a finish, not a cancel."""
+        if not stream_id:
+            return
+        try:
+            await decode.stub.Finish(worker_pb2.FinishRequest(stream_id=stream_id, reason=common_pb2.FINISH_REASON_STOP),
+                                     timeout=5.0)
+        except grpc.aio.AioRpcError as e:
+            log.debug("Finish on %s failed: %s", decode.address, e.code().name)
+
+    @staticmethod
+    async def _drain(call) -> None:
+        """Read the decode stream to its end (a few messages at most), so the call and its client span end now
+        rather than whenever the call is collected."""
+        try:
+            await asyncio.wait_for(_consume(call), 5.0)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+            pass
+
+    def _failure(self, e: grpc.aio.AioRpcError, decode: WorkerHandle, prefill: WorkerHandle | None,
+                 streamed: bool) -> Exception:
+        """A RequestError naming the worker that failed; a _Retry when another worker could serve it instead."""
+        code = e.code()
+        meta = {k: v for k, v in (e.trailing_metadata() or ())}
+        party = meta.get(FAILED_PARTY, "decode")
+        address = meta.get(FAILED_ADDRESS) or (prefill.address if party == "prefill" and prefill else decode.address)
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
+            return RequestError(code, e.details() or code.name)
+        where = "mid-stream" if streamed else "before the first token"
+        error = RequestError(code, f"{party} worker {address} failed {where}: {e.details() or code.name}")
+        if streamed or code not in RETRYABLE:
+            return error
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self.router.mark_down(address)
+        return _Retry(error, address)
+
+    def _token_sent(self, out: Outcome) -> None:
+        now = time.perf_counter()
+        if out.ttft is None:
+            out.ttft = now - out.start
+            self.metrics.ttft.observe(out.ttft)
+        else:
+            self.metrics.itl.observe(now - out.last_token)
+        out.last_token = now
+
+    def _record(self, out: Outcome, span: trace.Span) -> None:
+        m = self.metrics
+        e2e = time.perf_counter() - out.start
+        m.requests.labels(out.status, out.finish_reason).inc()
+        if out.status == "OK":
+            m.e2e.observe(e2e)
+            m.prompt_tokens.inc(out.prompt_tokens)
+            m.cached_prompt_tokens.inc(out.cached_tokens)
+            m.prompt_len.observe(out.prompt_tokens)
+        m.generation_tokens.inc(out.completion_tokens)
+        span.set_attributes({"pdserve.prompt_tokens": out.prompt_tokens,
+                             "pdserve.completion_tokens": out.completion_tokens,
+                             "pdserve.cached_prompt_tokens": out.cached_tokens,
+                             "pdserve.finish_reason": out.finish_reason, "pdserve.status": out.status})
+        log_request(request_log, request_id=out.request_id, trace_id=trace_id(span), model=self.model_name,
+                    front=out.front, status=out.status, finish_reason=out.finish_reason,
+                    prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
+                    completion_tokens=out.completion_tokens,
+                    ttft_s=round(out.ttft, 4) if out.ttft is not None else None, e2e_s=round(e2e, 4),
+                    decode=out.decode, prefill=out.prefill)
+
+
+class _Retry(Exception):
+    def __init__(self, error: RequestError, culprit: str) -> None:
+        super().__init__(error.message)
+        self.error, self.culprit = error, culprit
+
+
+async def _consume(call) -> None:
+    async for _ in call:
+        pass
