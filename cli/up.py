@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from cli.clients import stream_completion
 from cli.errors import CLIError
-from cli.services import engine_config
+from cli.services import engine_config, tls_config
 
 _PR_SET_PDEATHSIG = 1
 
@@ -58,13 +58,15 @@ def _check_ports_free(host: str, ports: list[tuple[str, int]]) -> None:
                                "--metrics-port)") from None
 
 
-async def _wait_serving(services: list[Service], timeout: float) -> None:
+async def _wait_serving(services: list[Service], timeout: float, tls=None) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from pdserve.grpc_server import open_channel
+
     deadline = time.monotonic() + timeout
     for service in services:
-        async with grpc.aio.insecure_channel(service.address) as channel:
+        async with open_channel(service.address, tls) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 if service.proc.poll() is not None:
@@ -87,6 +89,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if needs_conversion(args.model):
         print("pdserve up: converting the model for first use (once; about 20 s)...", file=sys.stderr, flush=True)
     engine_config(args)  # the model, dtype and KV budget are checked here, before any process starts
+    tls = tls_config(args)
     if args.colocated:
         args.prefill_workers = 0
     if args.decode_workers < 1 or args.prefill_workers < 0:
@@ -116,11 +119,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         observe += ["--otlp-endpoint", args.otlp_endpoint]
     if args.metrics_host:
         observe += ["--metrics-host", args.metrics_host]
+    for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
+        if value:
+            observe += [flag, value]
     metrics = iter(metric_ports[1:] + [-1] * (1 + workers))
     services: list[Service] = []
 
-    def spawn(role: str, address: str, argv: list[str]) -> Service:
-        proc = subprocess.Popen([*exe, *argv], preexec_fn=_die_with_parent)
+    def spawn(role: str, address: str, argv: list[str], env: dict | None = None) -> Service:
+        proc = subprocess.Popen([*exe, *argv], preexec_fn=_die_with_parent, env=env)
         services.append(Service(role, address, proc))
         return services[-1]
 
@@ -148,15 +154,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         workers_up = [spawn("prefill worker", a, ["prefill", "--host", a.rsplit(":", 1)[0], "--port",
                                                   a.rsplit(":", 1)[1], *common, *observe,
                                                   "--metrics-port", str(next(metrics))]) for a in prefill]
+        allowed = ["--prefill", ",".join(prefill)] if prefill else []
         workers_up += [spawn(f"{role} worker", a, [role, "--host", a.rsplit(":", 1)[0], "--port", a.rsplit(":", 1)[1],
-                                                   *common, *observe, "--metrics-port", str(next(metrics))])
+                                                   *common, *observe, *allowed,
+                                                   "--metrics-port", str(next(metrics))])
                        for a in decode]
-        asyncio.run(_wait_serving(workers_up, timeout=600))
+        asyncio.run(_wait_serving(workers_up, timeout=600, tls=tls))
         gateway = f"{args.host}:{args.port}"
+        key_env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None  # not on argv: ps shows it
         spawn("gateway", gateway, ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
                                    "--prefill", ",".join(prefill), "--decode", ",".join(decode), *observe,
-                                   "--metrics-port", str(metric_ports[0] if metric_ports else -1)])
-        asyncio.run(_wait_serving(services[-1:], timeout=120))
+                                   "--metrics-port", str(metric_ports[0] if metric_ports else -1)], key_env)
+        asyncio.run(_wait_serving(services[-1:], timeout=120, tls=tls))
         print(f"pdserve is up: gateway {gateway}, prefill {prefill}, decode {decode} "
               f"({time.perf_counter() - t0:.1f}s)", flush=True)
         if metric_ports:
@@ -164,7 +173,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                   f"ports {metric_ports[1]}-{metric_ports[-1]} (prefill, then decode)", flush=True)
         if args.prompt:
             ns = argparse.Namespace(prompt=args.prompt, max_tokens=256, temperature=0.0, top_p=None, seed=None,
-                                    stop=[], raw=False)
+                                    stop=[], raw=False, api_key=args.api_key, tls_cert=args.tls_cert,
+                                    tls_key=args.tls_key, tls_ca=args.tls_ca)
             asyncio.run(stream_completion(gateway, ns))
             print(f"[first answer {time.perf_counter() - t0:.1f}s after start]", file=sys.stderr)
             if args.exit_after_prompt:

@@ -179,3 +179,17 @@ def test_children_die_with_up(how):
     assert _wait_gone(children, 60) == []
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports["gateway"]))
+
+
+@pytest.mark.slow
+def test_up_with_tls_and_an_api_key_answers_a_prompt(tmp_path):
+    from tests.certs import make_pki
+
+    pki = make_pki(tmp_path, ["service"])
+    ports = [str(free_port()) for _ in range(3)]
+    proc = run("--log-level", "WARNING", "up", "--colocated", "--port", ports[0], "--decode-port", ports[2],
+               "--metrics-port", "-1", "--tls-cert", pki["service"][0], "--tls-key", pki["service"][1],
+               "--tls-ca", pki["ca"][0], "--api-key", "sesame", "--prompt", "Say hello.", "--exit-after-prompt",
+               timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("pdserve is up", 1)[1].split("\n", 1)[1].strip()
