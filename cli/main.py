@@ -101,6 +101,13 @@ def _tls_args(p: argparse.ArgumentParser, role: str) -> None:
                    "PEM file: the CA to verify the server with (turns TLS on)")
 
 
+def _http_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--http-port", type=int, default=int(os.environ.get("PDSERVE_HTTP_PORT", "8000")),
+                   help="port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                        "/v1/models); -1 turns it off")
+    p.add_argument("--http-host", default=None, help="address the HTTP API binds (default: --host)")
+
+
 def _api_key_arg(p: argparse.ArgumentParser, server: bool) -> None:
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require this key on the public API (gRPC metadata 'authorization: Bearer <key>', HTTP "
@@ -144,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     _observability_args(up, 9400)
     _tls_args(up, "server")
     _api_key_arg(up, server=True)
+    _http_args(up)
 
     gw = command("gateway", "the public gRPC API")
     gw.add_argument("--model", default="default")
@@ -162,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(compose --scale, Kubernetes headless services)")
     gw.add_argument("--max-prompt-bytes", type=parse_size, default=parse_size("1M"),
                     help="refuse longer prompts before tokenizing them")
+    _http_args(gw)
     _observability_args(gw, 9400)
     _tls_args(gw, "server")
     _api_key_arg(gw, server=True)

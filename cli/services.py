@@ -170,15 +170,17 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         from gateway.metrics import GatewayMetrics
 
         tracing, gateway_metrics = _tracing(args), GatewayMetrics()
-        running, router, request_path = await serve(path, args.host, args.port, prefill, decode,
-                                                    args.ready_timeout, tracing=tracing, metrics=gateway_metrics,
-                                                    discover=args.discover, poll_interval=args.poll_interval,
-                                                    tls=tls, api_key=args.api_key,
-                                                    max_prompt_bytes=args.max_prompt_bytes)
+        running, router, request_path, http = await serve(
+            path, args.host, args.port, prefill, decode, args.ready_timeout, tracing=tracing, metrics=gateway_metrics,
+            discover=args.discover, poll_interval=args.poll_interval, tls=tls, api_key=args.api_key,
+            max_prompt_bytes=args.max_prompt_bytes, http_host=args.http_host, http_port=args.http_port)
         metrics = _metrics_server(args, gateway_metrics.registry)
-        print(f"pdserve gateway ready on {args.host}:{running.port}", flush=True)
+        print(f"pdserve gateway ready on {args.host}:{running.port}" +
+              (f", OpenAI API on {http.url}" if http else ""), flush=True)
 
         async def stop() -> None:
+            if http is not None:
+                await http.stop()
             await running.server.stop(grace=30)
             await router.close()
             request_path.close()

@@ -98,8 +98,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     prefill = [f"{args.host}:{args.prefill_port + i}" for i in range(args.prefill_workers)]
     decode = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode_workers)]
     metric_ports = list(range(args.metrics_port, args.metrics_port + 1 + workers)) if args.metrics_port >= 0 else []
-    _check_ports_free(args.host, [("gateway", args.port)] + [("prefill worker", int(a.rsplit(":", 1)[1]))
-                                                           for a in prefill]
+    _check_ports_free(args.host, [("gateway", args.port)] + ([("HTTP API", args.http_port)] if args.http_port >= 0
+                                                             else [])
+                      + [("prefill worker", int(a.rsplit(":", 1)[1])) for a in prefill]
                       + [("decode worker", int(a.rsplit(":", 1)[1])) for a in decode]
                       + [("metrics", p) for p in metric_ports])
 
@@ -162,12 +163,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         asyncio.run(_wait_serving(workers_up, timeout=600, tls=tls))
         gateway = f"{args.host}:{args.port}"
         key_env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None  # not on argv: ps shows it
+        http = ["--http-port", str(args.http_port)] + (["--http-host", args.http_host] if args.http_host else [])
         spawn("gateway", gateway, ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
-                                   "--prefill", ",".join(prefill), "--decode", ",".join(decode), *observe,
+                                   "--prefill", ",".join(prefill), "--decode", ",".join(decode), *observe, *http,
                                    "--metrics-port", str(metric_ports[0] if metric_ports else -1)], key_env)
         asyncio.run(_wait_serving(services[-1:], timeout=120, tls=tls))
         print(f"pdserve is up: gateway {gateway}, prefill {prefill}, decode {decode} "
               f"({time.perf_counter() - t0:.1f}s)", flush=True)
+        if args.http_port >= 0:
+            print(f"OpenAI-compatible API: http://{args.http_host or args.host}:{args.http_port}/v1", flush=True)
         if metric_ports:
             print(f"metrics: http://{args.metrics_host or args.host}:{metric_ports[0]}/metrics (gateway), "
                   f"ports {metric_ports[1]}-{metric_ports[-1]} (prefill, then decode)", flush=True)

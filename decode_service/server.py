@@ -114,7 +114,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         except SamplingError as e:
             await context.abort(grpc.StatusCode.INTERNAL, f"decode worker {self.address}: {e}", here)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), here)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), failure_metadata("decode", self.address, e))
         except PoolExhausted as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.address}: {e}", here)
         except WorkerClosing as e:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import InvalidParameter, SamplingParams
 
 
 def check_request(token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int,
@@ -14,16 +14,16 @@ def check_request(token_ids: Sequence[int], params: SamplingParams, vocab_size: 
     `new_tokens` is how many tokens this engine will add (a prefill worker: 1); default `max_tokens`."""
     params.validate(vocab_size)
     if not token_ids:
-        raise ValueError("prompt is empty")
+        raise InvalidParameter("prompt", "prompt is empty")
     if any(not 0 <= t < vocab_size for t in token_ids):
-        raise ValueError(f"prompt has token ids outside [0, {vocab_size})")
+        raise InvalidParameter("prompt", f"prompt has token ids outside [0, {vocab_size})")
     n = len(token_ids)
     if n >= max_model_len:
-        raise ValueError(f"prompt has {n} tokens; the model context is {max_model_len}")
+        raise InvalidParameter("prompt", f"prompt has {n} tokens; the model context is {max_model_len}")
     if n + params.max_tokens > max_model_len:
-        raise ValueError(f"max_tokens {params.max_tokens} + prompt {n} tokens exceeds the model context "
-                         f"({max_model_len} tokens)")
+        raise InvalidParameter("max_tokens", f"max_tokens {params.max_tokens} + prompt {n} tokens exceeds the model "
+                                             f"context ({max_model_len} tokens)")
     grow = params.max_tokens if new_tokens is None else new_tokens
     if n + grow > pool_tokens:
-        raise ValueError(f"{'max_tokens' if new_tokens is None else 'new tokens'} {grow} + prompt {n} tokens "
-                         f"exceeds this worker's KV pool ({pool_tokens} tokens)")
+        raise InvalidParameter("max_tokens", f"{'max_tokens' if new_tokens is None else 'new tokens'} {grow} + "
+                                             f"prompt {n} tokens exceeds this worker's KV pool ({pool_tokens} tokens)")

@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class InvalidParameter(ValueError):
+    """A request parameter is out of range; `param` names it (the API reports it to the caller)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -35,7 +43,7 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         """Raise ValueError naming the first bad parameter; returns self so calls chain."""
         def bad(name: str, rule: str) -> None:
-            raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+            raise InvalidParameter(name, f"{name} {rule}, got {getattr(self, name)!r}")
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")

@@ -25,7 +25,7 @@ from gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
 from gateway.tokenizer import Tokenizer
 from pdserve.logs import REQUEST_LOGGER, log_request
 from pdserve.tracing import trace_id
-from pdserve.failure import FAILED_ADDRESS, FAILED_PARTY
+from pdserve.failure import FAILED_ADDRESS, FAILED_PARTY, INVALID_PARAMETER
 from protos import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class RequestError(Exception):
         self.code, self.message, self.param = code, message, param
 
 
-def invalid(param: str, message: str) -> RequestError:
+def invalid(param: str | None, message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message, param)
 
 
@@ -294,7 +294,7 @@ class RequestPath:
         address = meta.get(FAILED_ADDRESS) or (prefill.address if party == "prefill" and prefill else decode.address)
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                     grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
-            return RequestError(code, e.details() or code.name)
+            return RequestError(code, e.details() or code.name, meta.get(INVALID_PARAMETER))
         where = "mid-stream" if streamed else "before the first token"
         error = RequestError(code, f"{party} worker {address} failed {where}: {e.details() or code.name}")
         if streamed or code not in RETRYABLE:

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 
 from gateway.metrics import GatewayMetrics
+from gateway.openai_api import HTTPServer, create_app
 from gateway.request_path import GenerationRequest, RequestError, RequestPath
 from gateway.router import NoWorkerAvailable, Router
 from gateway.tokenizer import Tokenizer
@@ -83,9 +84,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 async def serve(model_dir: Path, host: str, port: int, prefill: list[str], decode: list[str],
                 ready_timeout: float = 300.0, tracing: Tracing | None = None,
                 metrics: GatewayMetrics | None = None, discover: bool = False, poll_interval: float = 1.0,
-                tls: TLSConfig | None = None, api_key: str | None = None, max_prompt_bytes: int = 1 << 20
-                ) -> tuple[RunningServer, Router, RequestPath]:
-    """Bind the public port first (a busy port fails at once), wait for workers, then say SERVING."""
+                tls: TLSConfig | None = None, api_key: str | None = None, max_prompt_bytes: int = 1 << 20,
+                http_host: str | None = None, http_port: int = -1
+                ) -> tuple[RunningServer, Router, RequestPath, HTTPServer | None]:
+    """Bind the public ports first (a busy port fails at once), wait for workers, then say SERVING. With
+    `http_port` >= 0 the OpenAI-compatible HTTP API is served too, on the same request path."""
     tracing = tracing or Tracing("pdserve-gateway")
     tokenizer = Tokenizer(model_dir)
     router = Router(prefill, decode, poll_interval=poll_interval, interceptors=tracing.client_interceptors(),
@@ -98,6 +101,14 @@ async def serve(model_dir: Path, host: str, port: int, prefill: list[str], decod
         host, port, lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(path), s),
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
         interceptors=interceptors, serving=False, tls=tls, require_client_cert=False)
+    http = None
+    if http_port >= 0:
+        try:
+            http = await HTTPServer(create_app(path, api_key, tracing), http_host or host, http_port, tls).start()
+        except BaseException:
+            await running.server.stop(None)
+            raise
+        log.info("OpenAI-compatible API on %s", http.url)
     await router.start()
     try:
         await router.wait_ready(ready_timeout)
@@ -105,4 +116,4 @@ async def serve(model_dir: Path, host: str, port: int, prefill: list[str], decod
         log.warning("%s; serving anyway (requests get UNAVAILABLE until workers answer)", e)
     await running.serving()
     log.info("gateway on %s:%d (prefill %s, decode %s)", host, running.port, prefill, decode)
-    return running, router, path
+    return running, router, path, http

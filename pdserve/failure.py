@@ -2,7 +2,10 @@
 
 FAILED_PARTY = "pdserve-failed-party"  # "decode" or "prefill"
 FAILED_ADDRESS = "pdserve-failed-address"  # host:port of that worker
+INVALID_PARAMETER = "pdserve-invalid-parameter"  # with INVALID_ARGUMENT: the request parameter at fault
 
 
-def failure_metadata(party: str, address: str) -> tuple[tuple[str, str], ...]:
-    return ((FAILED_PARTY, party), (FAILED_ADDRESS, address))
+def failure_metadata(party: str, address: str, error: BaseException | None = None) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata of a failure at `party`; names the parameter when `error` carries one."""
+    param = getattr(error, "param", None)
+    return ((FAILED_PARTY, party), (FAILED_ADDRESS, address)) + (((INVALID_PARAMETER, param),) if param else ())

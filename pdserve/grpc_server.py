@@ -73,8 +73,9 @@ class RunningServer:
             self.failed.set_result(error)
 
 
-def _check_free(host: str, port: int) -> None:
-    """Fail before gRPC tries (and logs its own multi-line complaint) when the address cannot be bound."""
+def check_free(host: str, port: int) -> None:
+    """PortInUse, naming the address, when it cannot be bound (checked before a server tries: gRPC would log a
+    multi-line complaint of its own)."""
     if port == 0:
         return
     try:
@@ -114,7 +115,7 @@ async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server
     names = list(service_names)
     if enable_reflection:
         _add_reflection(server, names)
-    _check_free(host, port)
+    check_free(host, port)
     creds = tls.server_credentials(require_client_cert) if tls is not None else None
     try:
         bound = (server.add_secure_port(f"{host}:{port}", creds) if creds is not None

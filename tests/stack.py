@@ -61,6 +61,7 @@ def service_env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     env.update(UCX_NET_DEVICES="lo", UCX_WARN_UNUSED_ENV_VARS="n", PYTHONUNBUFFERED="1")
     env.setdefault("PDSERVE_LOG_LEVEL", "WARNING")
+    env["PDSERVE_HTTP_PORT"] = "-1"  # the OpenAI API's default port (8000) is not the tests' to take
     return env
 
 
@@ -93,6 +94,7 @@ class Stack:
     procs: list[subprocess.Popen] = field(default_factory=list)
     metrics: dict[str, str] = field(default_factory=dict)  # role -> /metrics URL
     tls: object = None  # a TLSConfig when the stack speaks TLS
+    http: str = ""  # base URL of the gateway's OpenAI-compatible API
 
     def stats(self, address: str, role: str) -> worker_pb2.WorkerStats:
         stub_cls = worker_pb2_grpc.PrefillServiceStub if role == "prefill" else worker_pb2_grpc.DecodeServiceStub
@@ -131,12 +133,13 @@ def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1,
     channels). With `log_dir`, each service's stderr goes to `<role>.log` there."""
     exe = [sys.executable, "-m", "cli"]
     env = {**service_env(), **(env or {})}
-    g_port = free_port()
+    g_port, h_port = free_port(), free_port()
     p_ports = [free_port() for _ in range(0 if colocated else prefill_workers)]
     d_ports = [free_port() for _ in range(decode_workers)]
     metric_ports = {role: free_port() for role in ("prefill", "decode", "gateway")}
     stack = Stack(f"127.0.0.1:{g_port}", [f"127.0.0.1:{p}" for p in p_ports], [f"127.0.0.1:{p}" for p in d_ports],
-                  metrics={role: f"http://127.0.0.1:{port}/metrics" for role, port in metric_ports.items()}, tls=tls)
+                  metrics={role: f"http://127.0.0.1:{port}/metrics" for role, port in metric_ports.items()}, tls=tls,
+                  http=f"{'https' if tls is not None else 'http'}://127.0.0.1:{h_port}")
     common = ["--dtype", dtype, "--threads", str(threads), "--kv-cache-memory", "128M", *extra]
 
     def spawn(role: str, args: list[str], metrics_port: int, log_name: str) -> None:
@@ -155,8 +158,8 @@ def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1,
             metrics = metric_ports["decode"] if i == 0 else free_port()
             spawn("colocated" if colocated else "decode", ["--port", str(port), *common, *decode_extra], metrics,
                   "decode" if i == 0 else f"decode{i}")
-        spawn("gateway", ["--port", str(g_port), "--prefill", ",".join(stack.prefill), "--decode",
-                          ",".join(stack.decode), *gateway_extra], metric_ports["gateway"], "gateway")
+        spawn("gateway", ["--port", str(g_port), "--http-port", str(h_port), "--prefill", ",".join(stack.prefill),
+                          "--decode", ",".join(stack.decode), *gateway_extra], metric_ports["gateway"], "gateway")
         for addr, proc in zip([*stack.prefill, *stack.decode, stack.gateway], stack.procs):
             wait_serving(addr, proc, tls=tls)
     except BaseException:

@@ -129,3 +129,21 @@ async def test_bench_against_a_live_stack(observed_stack, tmp_path):
     assert record["max_concurrent_requests"] <= 3
     assert record["ttft_ms"]["mean"] > 0 and record["itl_ms"]["mean"] > 0
     assert json.loads(out.read_text())["label"] == "smoke"
+
+
+@pytest.mark.slow
+async def test_bench_openai_backend_against_pdserve_http_api(observed_stack):
+    """`pdserve bench --backend openai` drives pdserve's own OpenAI-compatible API: exact token counts."""
+    import argparse
+
+    from benchmarks.load_gen import add_arguments, bench
+
+    stack, _, _ = observed_stack
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--backend", "openai", "--base-url", stack.http, "--num-requests", "4",
+                         "--max-concurrency", "2", "--input-len", "20", "--output-len", "6", "--num-warmups", "0",
+                         "--vocab-range", "1000,40000"])
+    record = await bench(args)
+    assert record["completed"] == 4 and record["failed"] == 0
+    assert record["total_output_tokens"] == 24

@@ -1,0 +1,396 @@
+"""The OpenAI-compatible HTTP API: a second front door onto the gateway's request path.
+
+`POST /v1/completions`, `POST /v1/chat/completions` (streamed as server-sent events exactly as OpenAI frames them,
+`data: [DONE]` last), `GET /v1/models`, `GET /health`. Parameters are OpenAI's plus vLLM's extras (top_k, min_p,
+min_tokens, ignore_eos, repetition_penalty); unknown fields are ignored, as OpenAI does. Errors come in OpenAI's
+shape, `{"error": {"message", "type", "param", "code"}}`, with the HTTP status that matches. A client that goes
+away cancels its request on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import trace
+
+from gateway.request_path import Delta, GenerationRequest, RequestError, RequestPath, invalid
+from pdserve.grpc_server import PortInUse, check_free
+from pdserve.security import TLSConfig, key_matches
+from pdserve.tracing import Tracing, extract
+from protos import common_pb2
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
+}
+ERROR_CODES = {404: "model_not_found", 401: "invalid_api_key", 429: "rate_limit_exceeded", 503: "service_unavailable"}
+MAX_TOP_LOGPROBS = 20
+
+
+def error_body(e: RequestError) -> tuple[int, dict]:
+    status, kind = HTTP_STATUS.get(e.code, (500, "server_error"))
+    return status, {"error": {"message": e.message, "type": kind, "param": e.param,
+                              "code": ERROR_CODES.get(status, e.code.name.lower())}}
+
+
+def _error_response(e: RequestError) -> JSONResponse:
+    status, body = error_body(e)
+    return JSONResponse(body, status_code=status)
+
+
+# ---- parameters ----------------------------------------------------------------------------------------------
+
+
+def _get(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:
+        raise invalid(name, f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+    if not isinstance(value, kinds):
+        raise invalid(name, f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+    return value
+
+
+def _sampling(body: dict, chat: bool) -> tuple[common_pb2.SamplingParams, list[str], int | None]:
+    """The workers' sampling params, the stop strings, and how many top logprobs to return (None: none)."""
+    s = common_pb2.SamplingParams()
+    max_tokens = _get(body, "max_completion_tokens", (int,)) if chat else None
+    max_tokens = max_tokens if max_tokens is not None else _get(body, "max_tokens", (int,))
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise invalid("max_tokens", f"max_tokens must be >= 1, got {max_tokens}")
+        s.max_tokens = max_tokens
+    elif not chat:
+        s.max_tokens = 16  # OpenAI's default for completions
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = _get(body, name, (int, float))
+        if value is not None:
+            setattr(s, name, float(value))
+    for name in ("top_k", "min_tokens", "seed"):
+        value = _get(body, name, (int,))
+        if value is not None:
+            if name != "top_k" and value < 0:
+                raise invalid(name, f"{name} must be >= 0, got {value}")
+            setattr(s, name, value)
+    if _get(body, "ignore_eos", (bool,), False):
+        s.ignore_eos = True
+    n = _get(body, "n", (int,), 1)
+    if n != 1:
+        raise invalid("n", "n must be 1: this server returns one choice per request")
+    if _get(body, "best_of", (int,), 1) != 1:
+        raise invalid("best_of", "best_of must be 1")
+    stop = _get(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(x, str) for x in stop):
+        raise invalid("stop", "stop must be a string or a list of strings")
+    if chat:
+        top = None
+        if _get(body, "logprobs", (bool,), False):
+            top = _get(body, "top_logprobs", (int,), 0)
+            if not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise invalid("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        elif body.get("top_logprobs") is not None:
+            raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+    else:
+        top = _get(body, "logprobs", (int,))
+        if top is not None and not 0 <= top <= 5:
+            raise invalid("logprobs", "logprobs must be in [0, 5]")
+        if _get(body, "echo", (bool,), False):
+            raise invalid("echo", "echo is not supported")
+        if _get(body, "suffix", (str,)):
+            raise invalid("suffix", "suffix is not supported")
+    if top is not None:
+        s.logprobs = top
+    return s, list(stop), top
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "messages must be a non-empty list of {role, content}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise invalid(f"messages[{i}]", "each message needs a role")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):  # content parts: text only
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise invalid(f"messages[{i}].content", "only text content parts are supported")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise invalid(f"messages[{i}].content", "content must be a string or a list of text parts")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, prompt
+    raise invalid("prompt", "prompt must be a string or a list of token ids (one prompt per request)")
+
+
+# ---- responses -----------------------------------------------------------------------------------------------
+
+
+class _Renderer:
+    """Turns the request path's deltas into OpenAI's JSON, for one request."""
+
+    def __init__(self, path: RequestPath, chat: bool, model: str, top: int | None) -> None:
+        self.path, self.chat, self.model, self.top = path, chat, model, top
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self._offset = 0
+
+    def _token(self, token_id: int) -> str:
+        return self.path.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def logprobs(self, delta: Delta) -> dict | None:
+        if self.top is None:
+            return None
+        if self.chat:
+            content = []
+            for lp in delta.logprobs:
+                token = self._token(lp.token_id)
+                content.append({"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
+                                "top_logprobs": [{"token": (t := self._token(x.token_id)), "logprob": x.logprob,
+                                                  "bytes": list(t.encode())} for x in lp.top]})
+            return {"content": content}
+        tokens, offsets = [], []
+        for lp in delta.logprobs:
+            tokens.append(self._token(lp.token_id))
+            offsets.append(self._offset)
+            self._offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in delta.logprobs],
+                "top_logprobs": [{self._token(x.token_id): x.logprob for x in lp.top} for lp in delta.logprobs],
+                "text_offset": offsets}
+
+    @staticmethod
+    def usage(u: common_pb2.Usage) -> dict:
+        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                "total_tokens": u.prompt_tokens + u.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+    def chunk(self, choices: list, usage: dict | None = None) -> str:
+        body = {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object,
+                "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    def stream_choice(self, delta: Delta, first: bool) -> dict:
+        if self.chat:
+            d = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+            if delta.finish_reason and not delta.text and not first:
+                d = {}
+            return {"index": 0, "delta": d, "logprobs": self.logprobs(delta), "finish_reason": delta.finish_reason}
+        return {"index": 0, "text": delta.text, "logprobs": self.logprobs(delta), "finish_reason": delta.finish_reason}
+
+    def whole(self, text: str, logprobs: dict | None, finish: str, usage: common_pb2.Usage) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage(usage)}
+
+
+# ---- the app -------------------------------------------------------------------------------------------------
+
+
+def create_app(path: RequestPath, api_key: str | None = None, tracing: Tracing | None = None) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    tracer = tracing.tracer if tracing is not None else trace.NoOpTracer()
+
+    def authorize(request: Request) -> None:
+        if api_key and not key_matches(request.headers.get("authorization"), api_key):
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED,
+                               "missing or wrong API key: send 'Authorization: Bearer <key>'")
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise invalid(None, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise invalid(None, "the request body must be a JSON object")
+        return body
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready = any(w.healthy for w in path.router.decode)
+        return JSONResponse({"status": "ok" if ready else "no healthy worker"}, status_code=200 if ready else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        try:
+            authorize(request)
+        except RequestError as e:
+            return _error_response(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": path.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+             "max_model_len": path.router.max_model_len}]})
+
+    async def generate(request: Request, chat: bool):
+        name = "/v1/chat/completions" if chat else "/v1/completions"
+        span = tracer.start_span(f"POST {name}", kind=trace.SpanKind.SERVER, context=extract(dict(request.headers)))
+        streaming = False
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                try:
+                    authorize(request)
+                    body = await body_of(request)
+                    sampling, stop, top = _sampling(body, chat)
+                    model = _get(body, "model", (str,), "")
+                    req = GenerationRequest(uuid.uuid4().hex, sampling, stop=stop, model=model)
+                    if chat:
+                        req.messages = _messages(body)
+                    else:
+                        req.prompt, req.token_ids = _prompt(body)
+                    stream = _get(body, "stream", (bool,), False)
+                    options = _get(body, "stream_options", (dict,), {}) or {}
+                    include_usage = bool(options.get("include_usage")) if stream else False
+                    path.check(req)
+                except RequestError as e:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
+                    return _error_response(e)
+                renderer = _Renderer(path, chat, model or path.model_name, top)
+                if stream:
+                    streaming = True  # the span ends with the stream
+                    return StreamingResponse(_sse(path, req, renderer, include_usage, span),
+                                             media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return await _complete(path, req, renderer, request)
+        finally:
+            if not streaming:
+                span.end()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return app
+
+
+async def _complete(path: RequestPath, req: GenerationRequest, renderer: _Renderer, request: Request):
+    """The whole answer at once; the request is cancelled if the client disconnects first."""
+
+    async def run() -> JSONResponse:
+        text, logprobs, deltas = [], [], []
+        async for delta in path.run(req, "http"):
+            text.append(delta.text)
+            deltas.append(delta)
+        last = deltas[-1]
+        merged = Delta("".join(text), [t for d in deltas for t in d.token_ids], [lp for d in deltas for lp in d.logprobs])
+        return JSONResponse(renderer.whole(merged.text, renderer.logprobs(merged), last.finish_reason, last.usage))
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(run())
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([work, watch], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()  # the client left: cancel the request everywhere
+        with contextlib.suppress(BaseException):
+            await watch
+    if work.cancelled():
+        return JSONResponse({}, status_code=499)
+    try:
+        return work.result()
+    except RequestError as e:
+        return _error_response(e)
+
+
+async def _sse(path: RequestPath, req: GenerationRequest, renderer: _Renderer, include_usage: bool,
+               span: trace.Span) -> AsyncIterator[str]:
+    first = True
+    try:
+        with trace.use_span(span, end_on_exit=False):
+            try:
+                async for delta in path.run(req, "http"):
+                    yield renderer.chunk([renderer.stream_choice(delta, first)], None)
+                    first = False
+                    if delta.finish_reason and include_usage:
+                        yield renderer.chunk([], renderer.usage(delta.usage))
+            except RequestError as e:  # the status line is sent: the error travels as an event, as vLLM does
+                span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
+                _, body = error_body(e)
+                yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        span.end()
+
+
+class HTTPServer:
+    """uvicorn serving the app inside the gateway's own event loop (its signals stay the gateway's)."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, tls: TLSConfig | None = None) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                                ssl_certfile=tls.cert if tls and tls.enabled else None,
+                                ssl_keyfile=tls.key if tls and tls.enabled else None, timeout_graceful_shutdown=30)
+        self.server = _Server(config)
+        self.host, self.port = host, port
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> "HTTPServer":
+        check_free(self.host, self.port)
+        self._task = asyncio.create_task(self.server.serve(), name="http")
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+                raise PortInUse(f"cannot listen on {self.host}:{self.port}")
+            await asyncio.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self.server.should_exit = True
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
