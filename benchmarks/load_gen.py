@@ -29,17 +29,18 @@ class BenchRequest:
 
 
 def make_requests(n: int, input_lens: list[int], output_len: int, seed: int, weights: list[float] | None = None,
-                  range_ratio: float = 0.0, prefix_len: int = 0, vocab: tuple[int, int] = (1000, 32000)
-                  ) -> list[BenchRequest]:
+                  range_ratio: float = 0.0, prefix_len: int = 0, vocab: tuple[int, int] = (1000, 32000),
+                  num_prefixes: int = 1) -> list[BenchRequest]:
     """`n` prompts of random token ids: each length drawn from `input_lens` (by `weights`), then spread
-    uniformly over +-range_ratio; `prefix_len` ids shared by every prompt come first."""
+    uniformly over +-range_ratio; behind one of `num_prefixes` shared prefixes of `prefix_len` ids."""
     rng = random.Random(seed)
     lo, hi = vocab
-    prefix = [rng.randrange(lo, hi) for _ in range(prefix_len)]
+    prefixes = [[rng.randrange(lo, hi) for _ in range(prefix_len)] for _ in range(max(1, num_prefixes))]
     out = []
     for _ in range(n):
         base = rng.choices(input_lens, weights=weights)[0] if weights else rng.choice(input_lens)
         length = max(1, rng.randint(int(base * (1 - range_ratio)), int(base * (1 + range_ratio))))
+        prefix = rng.choice(prefixes)
         out.append(BenchRequest(prefix + [rng.randrange(lo, hi) for _ in range(length)], output_len))
     return out
 
@@ -258,7 +259,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", default="128", help="prompt length, or a comma list to mix (see --input-weights)")
     p.add_argument("--input-weights", default=None, help="comma list of weights for --input-len's lengths")
     p.add_argument("--range-ratio", type=float, default=0.0, help="spread each length uniformly by +-this fraction")
-    p.add_argument("--prefix-len", type=int, default=0, help="token ids shared by every prompt (prefix caching)")
+    p.add_argument("--prefix-len", type=int, default=0, help="length of the shared prefixes prompts start with")
+    p.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes; each prompt takes one")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (EOS ignored)")
     p.add_argument("--vocab-range", default="1000,32000", help="prompt token ids are drawn from [lo, hi)")
     p.add_argument("--num-warmups", type=int, default=2)
@@ -290,7 +292,7 @@ async def bench(args: argparse.Namespace) -> dict:
     weights = [float(x) for x in args.input_weights.split(",")] if args.input_weights else None
     vocab = tuple(int(x) for x in args.vocab_range.split(","))
     reqs = make_requests(args.num_requests, lens, args.output_len, args.seed, weights, args.range_ratio,
-                         args.prefix_len, vocab)
+                         args.prefix_len, vocab, args.num_prefixes)
     warm = make_requests(args.num_warmups, lens, min(args.output_len, 8), args.seed + 1, weights, 0.0,
                          args.prefix_len, vocab)
     target = make_target(args)

@@ -106,7 +106,8 @@ def cmd_health(args: argparse.Namespace) -> int:
 
     tls = tls_config(args)
     creds = tls.channel_credentials() if tls is not None else None
-    with (grpc.secure_channel(args.address, creds) if creds else grpc.insecure_channel(args.address)) as channel:
+    with (grpc.secure_channel(args.address, creds, options=tls.channel_options()) if creds
+          else grpc.insecure_channel(args.address)) as channel:
         try:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
         except grpc.RpcError as e:

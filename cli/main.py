@@ -22,6 +22,8 @@ from cli.errors import CLIError
 from cli.services import cmd_gateway, cmd_worker
 from cli.up import cmd_up
 
+LOCAL_PREFILL_DEFAULT = 0  # set from a measurement: see README, "KV-aware routing and conditional disaggregation"
+
 
 def parse_size(text: str) -> int:
     """'512M', '2G', '1.5GiB', '4096' -> bytes."""
@@ -99,6 +101,22 @@ def _tls_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="PEM file: the CA that signs the services' certificates (verifies the servers called; "
                         "workers also require callers to present a certificate it signed)" if role == "server" else
                    "PEM file: the CA to verify the server with (turns TLS on)")
+    p.add_argument("--tls-server-name", default=os.environ.get("PDSERVE_TLS_SERVER_NAME"),
+                   help="check the certificates of the services called against this name, not the address "
+                        "dialled (workers found by DNS are dialled by IP)")
+
+
+def _local_prefill_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--local-prefill-max-tokens", type=int, default=LOCAL_PREFILL_DEFAULT,
+                   help="conditional disaggregation: prompts up to this many tokens are prefilled by the decode "
+                        "worker itself while its prefill backlog is short (0: always on a prefill worker)")
+
+
+def _routing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--routing", default="kv-aware", choices=["kv-aware", "load"],
+                   help="kv-aware: prefill worker by prefix-cache overlap weighed against its queue; load: queue only")
+    p.add_argument("--overlap-weight", type=float, default=1.0,
+                   help="kv-aware score: overlap_weight * cached blocks - queued tokens / block size")
 
 
 def _http_args(p: argparse.ArgumentParser) -> None:
@@ -152,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     _tls_args(up, "server")
     _api_key_arg(up, server=True)
     _http_args(up)
+    _routing_args(up)
+    _local_prefill_arg(up)
 
     gw = command("gateway", "the public gRPC API")
     gw.add_argument("--model", default="default")
@@ -170,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(compose --scale, Kubernetes headless services)")
     gw.add_argument("--max-prompt-bytes", type=parse_size, default=parse_size("1M"),
                     help="refuse longer prompts before tokenizing them")
+    _routing_args(gw)
     _http_args(gw)
     _observability_args(gw, 9400)
     _tls_args(gw, "server")
@@ -190,9 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
         if role == "decode":
             w.add_argument("--kv-host", default=None,
                            help="address prefill workers use to reach this worker's KV receiver (default: --host)")
+            w.add_argument("--kv-port", type=int, default=0,
+                           help="port of the KV receiver (0: any free port; fix it where a firewall or a "
+                                "Kubernetes containerPort must name it)")
             w.add_argument("--prefill", default=os.environ.get("PDSERVE_PREFILL", ""),
                            help="comma-separated host:port list (DNS names allowed) of the prefill workers this "
                                 "worker may dial; empty: any the gateway names")
+            _local_prefill_arg(w)
         if role != "prefill":
             w.add_argument("--max-queued", type=int, default=256,
                            help="requests that may wait for KV blocks before RESOURCE_EXHAUSTED")
@@ -226,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvtransfer.errors import ListenFailed
     from pdserve.grpc_server import PortInUse
     from pdserve.logs import configure_logging
 
@@ -240,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    except (CLIError, PortInUse, FileNotFoundError) as e:
+    except (CLIError, PortInUse, ListenFailed, FileNotFoundError) as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 1
 

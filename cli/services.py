@@ -73,7 +73,8 @@ def tls_config(args: argparse.Namespace):
     """The TLS files the flags name (None when TLS is off), checked before anything starts."""
     from pdserve.security import TLSConfig
 
-    tls = TLSConfig(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None))
+    tls = TLSConfig(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None),
+                    getattr(args, "tls_server_name", None))
     try:
         tls.check()
     except ValueError as e:
@@ -130,9 +131,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
             kv_host = "" if colocated else routable(args.kv_host or args.host)
             allowed = [a for a in getattr(args, "prefill", "").split(",") if a]
             running, worker, clients = await serve(cfg, args.host, args.port, args.kv_transport, kv_host,
+                                                   kv_port=getattr(args, "kv_port", 0),
                                                    max_queued=args.max_queued, tracing=tracing,
                                                    colocated=colocated, reflection=args.reflection, tls=tls,
-                                                   allowed_prefill=allowed)
+                                                   allowed_prefill=allowed,
+                                                   local_prefill_max_tokens=getattr(args, "local_prefill_max_tokens",
+                                                                                    0))
         metrics = _metrics_server(args, worker.metrics.registry)
         print(f"pdserve {args.command} ready on {args.host}:{running.port}", flush=True)
 
@@ -173,7 +177,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         running, router, request_path, http = await serve(
             path, args.host, args.port, prefill, decode, args.ready_timeout, tracing=tracing, metrics=gateway_metrics,
             discover=args.discover, poll_interval=args.poll_interval, tls=tls, api_key=args.api_key,
-            max_prompt_bytes=args.max_prompt_bytes, http_host=args.http_host, http_port=args.http_port)
+            max_prompt_bytes=args.max_prompt_bytes, http_host=args.http_host, http_port=args.http_port,
+            kv_aware=args.routing == "kv-aware", overlap_weight=args.overlap_weight)
         metrics = _metrics_server(args, gateway_metrics.registry)
         print(f"pdserve gateway ready on {args.host}:{running.port}" +
               (f", OpenAI API on {http.url}" if http else ""), flush=True)

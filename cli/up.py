@@ -120,7 +120,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         observe += ["--otlp-endpoint", args.otlp_endpoint]
     if args.metrics_host:
         observe += ["--metrics-host", args.metrics_host]
-    for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
+    for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca),
+                        ("--tls-server-name", args.tls_server_name)):
         if value:
             observe += [flag, value]
     metrics = iter(metric_ports[1:] + [-1] * (1 + workers))
@@ -156,6 +157,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                                                   a.rsplit(":", 1)[1], *common, *observe,
                                                   "--metrics-port", str(next(metrics))]) for a in prefill]
         allowed = ["--prefill", ",".join(prefill)] if prefill else []
+        if role == "decode":
+            allowed += ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
         workers_up += [spawn(f"{role} worker", a, [role, "--host", a.rsplit(":", 1)[0], "--port", a.rsplit(":", 1)[1],
                                                    *common, *observe, *allowed,
                                                    "--metrics-port", str(next(metrics))])
@@ -164,6 +167,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         gateway = f"{args.host}:{args.port}"
         key_env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None  # not on argv: ps shows it
         http = ["--http-port", str(args.http_port)] + (["--http-host", args.http_host] if args.http_host else [])
+        http += ["--routing", args.routing, "--overlap-weight", str(args.overlap_weight)]
         spawn("gateway", gateway, ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
                                    "--prefill", ",".join(prefill), "--decode", ",".join(decode), *observe, *http,
                                    "--metrics-port", str(metric_ports[0] if metric_ports else -1)], key_env)
@@ -178,7 +182,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         if args.prompt:
             ns = argparse.Namespace(prompt=args.prompt, max_tokens=256, temperature=0.0, top_p=None, seed=None,
                                     stop=[], raw=False, api_key=args.api_key, tls_cert=args.tls_cert,
-                                    tls_key=args.tls_key, tls_ca=args.tls_ca)
+                                    tls_key=args.tls_key, tls_ca=args.tls_ca,
+                                    tls_server_name=args.tls_server_name)
             asyncio.run(stream_completion(gateway, ns))
             print(f"[first answer {time.perf_counter() - t0:.1f}s after start]", file=sys.stderr)
             if args.exit_after_prompt:

@@ -5,9 +5,9 @@ the kvtransfer receiver which blocks to expect, ask a prefill worker to run the 
 them, stream the first token the prefill worker sampled, then join the running batch of the engine loop.
 
 A prompt may also be prefilled here, in the same loop, mixed with the decode batch (chunked under the token
-budget): when no prefill worker is named, when its uncached part is at most `local_prefill_max_tokens`
-(conditional disaggregation), and always in colocated mode, where there is no KV receiver at all. A sequence
-preempted when blocks run out is recomputed here the same way.
+budget): when the gateway names no prefill worker (it does so for prompts up to the `local_prefill_max_tokens`
+this worker reports: conditional disaggregation), and always in colocated mode, where there is no KV receiver at
+all. A sequence preempted when blocks run out is recomputed here the same way.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class DecodeWorker:
     """`call_prefill` None means colocated: every prompt is prefilled here and no KV receiver runs."""
 
     def __init__(self, cfg: EngineConfig, call_prefill: PrefillCall | None = None, transport: str = "ucx",
-                 kv_host: str = "127.0.0.1", max_queued: int = 256, transfer_timeout: float = 60.0,
+                 kv_host: str = "127.0.0.1", kv_port: int = 0, max_queued: int = 256, transfer_timeout: float = 60.0,
                  local_prefill_max_tokens: int = 0, tracer: trace.Tracer | None = None,
                  metrics: DecodeMetrics | None = None) -> None:
         self.role = "decode" if call_prefill is not None else "colocated"
@@ -91,13 +91,13 @@ class DecodeWorker:
         self.model_config = self.core.model_config
         self.model_name = self.model_config.name
         self.call_prefill = call_prefill
-        self.local_prefill_max_tokens = local_prefill_max_tokens if call_prefill is not None else 1 << 62
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.receiver = None
         if call_prefill is not None:
             if self.core.runner.device.type != "cpu":
                 raise ValueError("the KV transfer moves host memory: run disaggregated workers with --device cpu")
             self.receiver = KVReceiver(self.core.runner.kv_cache, self.core.layout, make_transport(transport),
-                                       kv_host, timeout=transfer_timeout)
+                                       kv_host, kv_port, timeout=transfer_timeout)
         self.tracer = tracer or trace.NoOpTracer()
         self.metrics = metrics or DecodeMetrics()
         self.metrics.bind_state(lambda: len(self.core.scheduler.running), self._num_waiting, self.core.allocator)
@@ -128,9 +128,9 @@ class DecodeWorker:
         self.core.check(prompt_ids, params, reserved_blocks=self.watermark)
 
     def _prefill_here(self, seq: Sequence, prefill_address: str) -> bool:
-        if not prefill_address or self.receiver is None:
-            return True
-        return seq.num_prompt_tokens <= self.local_prefill_max_tokens
+        """Local when colocated, or when the gateway named no prefill worker (it sends short prompts here when
+        this worker reports a `local_prefill_max_tokens` threshold: conditional disaggregation)."""
+        return not prefill_address or self.receiver is None
 
     async def _reserve(self, num_tokens: int) -> list[int]:
         """Blocks for num_tokens, waiting (FIFO, bounded) while the pool is full."""
@@ -339,4 +339,6 @@ class DecodeWorker:
             "kv_address": self.receiver.address if self.receiver is not None else "",
             "pending_transfers": self.receiver.num_pending if self.receiver is not None else 0,
             "local_prefills_total": self.local_prefills_total, "remote_prefills_total": self.remote_prefills_total,
+            "queued_tokens": sum(len(s.token_ids) - s.num_computed_tokens for s in self.core.scheduler.waiting),
+            "local_prefill_max_tokens": self.local_prefill_max_tokens if self.receiver else 0,
         }

@@ -9,12 +9,14 @@ first when the plain ones run out.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
-import numpy as np
+from kernels.block_hash import hash_block, prefix_hashes
+
+
+CacheListener = Callable[[list[int], list[int]], None]
 
 
 class NoFreeBlocks(RuntimeError):
@@ -25,23 +27,6 @@ class BlockOwnershipError(RuntimeError):
     """A block was freed or used while nobody owned it: a bug in the caller, never ignored."""
 
 
-def hash_block(parent: int | None, tokens: Sequence[int]) -> int:
-    """Content hash of one full block given its parent's hash; stable across processes."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update((parent or 0).to_bytes(16, "little"))
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
-    return int.from_bytes(h.digest(), "little")
-
-
-def prefix_hashes(tokens: Sequence[int], block_size: int, parent: int | None = None) -> list[int]:
-    """Hash chain over the full blocks of `tokens`."""
-    out: list[int] = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block(parent, tokens[start:start + block_size])
-        out.append(parent)
-    return out
-
-
 @dataclass
 class PrefixAllocation:
     block_ids: list[int]
@@ -50,7 +35,8 @@ class PrefixAllocation:
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 on_cache_change: CacheListener | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -63,6 +49,7 @@ class BlockAllocator:
         self._cached: dict[int, int] = {}
         self.prefix_queries = 0
         self.prefix_hit_tokens = 0
+        self.on_cache_change = on_cache_change  # (stored hashes, removed hashes): what the prefix cache now holds
 
     @property
     def num_free_blocks(self) -> int:
@@ -152,6 +139,7 @@ class BlockAllocator:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
+        stored = []
         for i in range(len(block_hashes), num_computed // bs):
             parent = block_hashes[-1] if block_hashes else None
             h = hash_block(parent, tokens[i * bs:(i + 1) * bs])
@@ -162,12 +150,21 @@ class BlockAllocator:
             if self.block_hash[block] is None and h not in self._cached:
                 self.block_hash[block] = h
                 self._cached[h] = block
+                stored.append(h)
+        if stored and self.on_cache_change is not None:
+            self.on_cache_change(stored, [])
 
     def _uncache(self, block: int) -> None:
         h = self.block_hash[block]
         if h is not None:
             del self._cached[h]
             self.block_hash[block] = None
+            if self.on_cache_change is not None:
+                self.on_cache_change([], [h])
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds now."""
+        return list(self._cached)
 
     def check_invariants(self) -> None:
         """Every block is in exactly one place: owned, plain free, or evictable cached."""

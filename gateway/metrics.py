@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from pdserve.metrics_server import E2E_BUCKETS, ITL_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
 
@@ -35,9 +36,32 @@ class GatewayMetrics:
                                registry=r)
         self.workers = Gauge("pdserve_gateway_workers", "Workers the router knows, by role and health.",
                              ["role", "state"], registry=r)
+        self.prefill_routes = Counter("pdserve_gateway_prefill_routes", "Requests by where their prompt was "
+                                      "prefilled: a prefill worker (remote) or the decode worker (local).",
+                                      ["mode"], registry=r)
+        for mode in ("local", "remote"):
+            self.prefill_routes.labels(mode)
 
-    def bind_router(self, counts: Callable[[], dict[tuple[str, str], int]]) -> None:
-        """Read the router's view of its workers at scrape time."""
+    def bind_router(self, counts: Callable[[], dict[tuple[str, str], int]],
+                    indexed: Callable[[], dict[str, int]]) -> None:
+        """Read the router's view of its workers at scrape time: how many of each role are up, and how many
+        prefix-cache blocks it believes each prefill worker holds."""
         for role in ("prefill", "decode"):
             for state in ("healthy", "down"):
                 self.workers.labels(role, state).set_function(lambda k=(role, state): counts()[k])
+        self.registry.register(_IndexCollector(indexed))
+
+
+class _IndexCollector:
+    """`pdserve_gateway_prefix_index_blocks{worker}`: labels follow the workers the router knows right now."""
+
+    def __init__(self, indexed: Callable[[], dict[str, int]]) -> None:
+        self.indexed = indexed
+
+    def collect(self):
+        family = GaugeMetricFamily("pdserve_gateway_prefix_index_blocks",
+                                   "Prefix-cache blocks the KV-aware router believes each prefill worker holds.",
+                                   labels=["worker"])
+        for worker, blocks in sorted(self.indexed().items()):
+            family.add_metric([worker], blocks)
+        yield family

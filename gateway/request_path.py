@@ -20,7 +20,7 @@ import grpc
 from opentelemetry import trace
 
 from gateway.metrics import GatewayMetrics
-from gateway.router import NoWorkerAvailable, Router, WorkerHandle
+from gateway.router import NoWorkerAvailable, Route, Router, WorkerHandle
 from gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
 from gateway.tokenizer import Tokenizer
 from pdserve.logs import REQUEST_LOGGER, log_request
@@ -200,14 +200,15 @@ class RequestPath:
         for attempt in range(self.max_attempts):
             with self.tracer.start_as_current_span("gateway.route") as span:
                 try:
-                    decode, prefill = self.router.pick(tried)
+                    route = self.router.pick(tried, prompt_ids)
+                    decode, prefill = route.decode, route.prefill
                 except NoWorkerAvailable as e:
                     raise last_error or RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
                 span.set_attributes({"pdserve.decode": decode.address,
                                      "pdserve.prefill": prefill.address if prefill else "", "pdserve.attempt": attempt})
             out.decode, out.prefill = decode.address, prefill.address if prefill else ""
             try:
-                async for delta in self._stream(req, prompt_ids, decode, prefill, detok, matcher, usage, out):
+                async for delta in self._stream(req, prompt_ids, route, detok, matcher, usage, out):
                     yield delta
                 return
             except _Retry as retry:
@@ -217,14 +218,14 @@ class RequestPath:
                 log.warning("request %s: %s; retrying elsewhere", req.request_id, retry.error.message)
         raise last_error or RequestError(grpc.StatusCode.UNAVAILABLE, "no worker could serve the request")
 
-    async def _stream(self, req: GenerationRequest, prompt_ids: list[int], decode: WorkerHandle,
-                      prefill: WorkerHandle | None, detok: IncrementalDetokenizer, matcher: StopStringMatcher,
-                      usage: common_pb2.Usage, out: Outcome) -> AsyncIterator[Delta]:
+    async def _stream(self, req: GenerationRequest, prompt_ids: list[int], route: Route,
+                      detok: IncrementalDetokenizer, matcher: StopStringMatcher, usage: common_pb2.Usage,
+                      out: Outcome) -> AsyncIterator[Delta]:
+        decode, prefill = route.decode, route.prefill
         timeout = None if req.deadline is None else max(0.0, req.deadline - time.monotonic())
         decode.inflight += 1
+        self.metrics.prefill_routes.labels("remote" if prefill is not None else "local").inc()
         prefill_pending = prefill is not None
-        if prefill_pending:
-            prefill.inflight += 1
         call = decode.stub.Decode(
             worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=prompt_ids, sampling=req.sampling,
                                      prefill_address=prefill.address if prefill else ""), timeout=timeout)
@@ -236,7 +237,7 @@ class RequestPath:
                     usage.cached_prompt_tokens = resp.cached_prompt_tokens
                     stream_id = resp.stream_id
                 if prefill_pending:
-                    prefill.inflight -= 1
+                    self.router.started(route)
                     prefill_pending = False
                 streamed = True
                 usage.completion_tokens += len(resp.token_ids)
@@ -263,7 +264,7 @@ class RequestPath:
             call.cancel()  # the worker stops generating (and its client span ends) as soon as we are done
             decode.inflight -= 1
             if prefill_pending:
-                prefill.inflight -= 1
+                self.router.started(route)
 
     @staticmethod
     async def _finish_early(decode: WorkerHandle, stream_id: str) -> None:

@@ -1,9 +1,22 @@
 """Which prefill and which decode worker serve the next request.
 
-Static lists of workers (flags, env or a config file) are polled for health and load with `GetStats`. A decode
-worker is chosen by free KV blocks and running requests, a prefill worker by queue length; both scores also
-count the requests this gateway has just sent there, since polled figures lag. A worker whose call fails with
-UNAVAILABLE is treated as down until a poll succeeds again.
+Workers (static lists, or DNS names followed with `discover`) are polled for health and load with `GetStats`.
+A decode worker is chosen by running and queued requests, then free KV blocks. A prefill worker is chosen by how
+much of the prompt its prefix cache already holds, weighed against the work queued there:
+
+    score = overlap_weight * cached_blocks - queued_tokens / block_size
+
+where `cached_blocks` counts the prompt's leading blocks whose hashes (`kernels.block_hash`, the workers' own)
+are in the worker's cache, as its `WatchCache` stream reports it, and `queued_tokens` is this gateway's own
+unanswered prompt tokens there (exact) plus what other senders had queued at the last poll. A cached block saves computing `block_size` tokens, so with
+overlap_weight 1 a worker wins a prompt when its hits outweigh its extra queue. Each prompt routed to a worker is
+added to that worker's index at once (the worker will cache it), so requests right behind it follow. A worker
+that goes away takes its index with it; a stale index only costs a miss.
+
+Conditional disaggregation: a decode worker that reports `local_prefill_max_tokens` gets prompts up to that
+length with no prefill worker, and prefills them itself, while its own prefill backlog is short.
+
+A worker whose call fails with UNAVAILABLE is treated as down until a poll succeeds again.
 """
 
 from __future__ import annotations
@@ -11,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import grpc
 
+from kernels.block_hash import prefix_hashes
 from pdserve.discovery import Resolver, resolve_ipv4
 from pdserve.grpc_server import open_channel
 from pdserve.security import TLSConfig
@@ -27,6 +41,12 @@ class NoWorkerAvailable(RuntimeError):
     pass
 
 
+class Route(NamedTuple):
+    decode: "WorkerHandle"
+    prefill: "WorkerHandle | None"  # None: the decode worker prefills the prompt itself
+    queued_tokens: int = 0  # the prompt's uncached tokens, counted at the prefill worker until it answers
+
+
 @dataclass
 class WorkerHandle:
     address: str
@@ -35,16 +55,44 @@ class WorkerHandle:
     stub: object
     healthy: bool = False
     stats: worker_pb2.WorkerStats = field(default_factory=worker_pb2.WorkerStats)
-    inflight: int = 0
+    inflight: int = 0  # requests this gateway sent that have not answered yet
+    inflight_tokens: int = 0  # their prompt tokens (prefill workers)
+    inflight_tokens_at_poll: int = 0  # inflight_tokens when `stats` was taken: already inside its queued_tokens
+    cached: set[int] = field(default_factory=set)  # prefill workers: block hashes their cache reported
+    expected: dict[int, float] = field(default_factory=dict)  # hashes of prompts routed here -> when (not reported yet)
+    watcher: asyncio.Task | None = None
+    routed: int = 0  # requests routed here (prefill: remote prefills; decode: all)
 
     @property
     def decode_score(self) -> tuple:
         free = self.stats.kv_blocks_total - self.stats.kv_blocks_used
         return (self.stats.running + self.stats.waiting + self.inflight, -free)
 
+    EXPECT_FOR = 30.0  # seconds a routed prompt counts as cached before the worker reports it
+
+    def overlap(self, hashes: Sequence[int], now: float) -> int:
+        """How many of the prompt's leading blocks this worker's prefix cache holds (or soon will)."""
+        n = 0
+        for h in hashes:
+            if h not in self.cached:
+                when = self.expected.get(h)
+                if when is None or now - when > self.EXPECT_FOR:
+                    self.expected.pop(h, None)
+                    break
+            n += 1
+        return n
+
+    def expect(self, hashes: Sequence[int], now: float) -> None:
+        """A prompt was routed here: count its blocks as cached until the worker reports them (or not)."""
+        for h in hashes:
+            if h not in self.cached:
+                self.expected[h] = now
+
     @property
-    def prefill_score(self) -> tuple:
-        return (self.stats.waiting + self.stats.running + self.inflight,)
+    def queued_tokens(self) -> int:
+        """Prompt tokens waiting at this worker: this gateway's own (exact) plus other senders' (as last polled)."""
+        others = max(0, self.stats.queued_tokens - self.inflight_tokens_at_poll)
+        return others + self.inflight_tokens
 
 
 class Router:
@@ -56,12 +104,16 @@ class Router:
 
     def __init__(self, prefill: list[str], decode: list[str], poll_interval: float = 1.0,
                  interceptors: Sequence[grpc.aio.ClientInterceptor] = (), discover: bool = False,
-                 resolve: Resolver = resolve_ipv4, probe_interval: float = 0.5, tls: TLSConfig | None = None) -> None:
+                 resolve: Resolver = resolve_ipv4, probe_interval: float = 0.5, tls: TLSConfig | None = None,
+                 overlap_weight: float = 1.0, kv_aware: bool = True) -> None:
         if not decode:
             raise ValueError("need at least one decode worker address (and prefill workers, unless the decode "
                              "workers are colocated)")
         self.poll_interval = poll_interval
         self.probe_interval = min(probe_interval, poll_interval)
+        self.overlap_weight = overlap_weight
+        self.kv_aware = kv_aware
+        self.local_prefills = 0
         self.interceptors = list(interceptors)
         self.tls = tls
         self.discover = discover
@@ -84,12 +136,40 @@ class Router:
     async def start(self) -> None:
         await self.poll()
         self._poller = asyncio.create_task(self._poll_forever(), name="router-poll")
+        for w in self.prefill:
+            self._watch(w)
 
     async def close(self) -> None:
-        if self._poller:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
+        tasks = [t for t in [self._poller, *(w.watcher for w in self.prefill)] if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(w.channel.close() for w in self.workers), return_exceptions=True)
+
+    def _watch(self, w: WorkerHandle) -> None:
+        if self.kv_aware and w.watcher is None:
+            w.watcher = asyncio.create_task(self._follow_cache(w), name=f"cache-{w.address}")
+
+    async def _follow_cache(self, w: WorkerHandle) -> None:
+        """Keep `w.cached` in step with the worker's prefix cache. When a stream that was open breaks, the worker
+        may have restarted with an empty cache: forget what it held and what was routed to it before."""
+        while True:
+            opened = False
+            try:
+                async for event in w.stub.WatchCache(worker_pb2.WatchCacheRequest(), wait_for_ready=True):
+                    if event.snapshot:
+                        opened = True
+                        w.cached = set(event.stored)
+                    else:
+                        w.cached.difference_update(event.removed)
+                        w.cached.update(event.stored)
+                    for h in event.stored:
+                        w.expected.pop(h, None)
+            except grpc.aio.AioRpcError as e:
+                log.debug("cache stream of %s ended: %s", w.address, e.code().name)
+            if opened:
+                w.cached, w.expected = set(), {}
+            await asyncio.sleep(self.probe_interval)
 
     async def _poll_forever(self) -> None:
         """Every worker each `poll_interval`; workers that are down (or not up yet) every `probe_interval`, so
@@ -103,6 +183,10 @@ class Router:
                 await self.poll()
             else:
                 await self.poll(only_down=True)
+
+    def indexed(self) -> dict[str, int]:
+        """Prefill worker -> how many prefix-cache blocks it is believed to hold (reported and expected)."""
+        return {w.address: len(w.cached) + len(w.expected) for w in self.prefill}
 
     def counts(self) -> dict[tuple[str, str], int]:
         """(role, "healthy" | "down") -> how many workers."""
@@ -125,6 +209,8 @@ class Router:
             for address in sorted(found - known):
                 log.info("discovered %s worker %s", role, address)
                 handles.append(self._handle(address, role))
+                if role == "prefill" and self._poller is not None:
+                    self._watch(handles[-1])
             self._leaving -= found
             for w in [w for w in handles if w.address not in found]:
                 w.healthy = False
@@ -133,6 +219,8 @@ class Router:
                     self._leaving.discard(w.address)
                     log.info("%s worker %s left", role, w.address)
                     handles.remove(w)
+                    if w.watcher is not None:
+                        w.watcher.cancel()
                     await w.channel.close()
 
     async def poll(self, only_down: bool = False) -> None:
@@ -141,7 +229,9 @@ class Router:
 
         async def one(w: WorkerHandle) -> None:
             try:
+                mine = w.inflight_tokens
                 w.stats = await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=max(self.poll_interval, 1.0))
+                w.inflight_tokens_at_poll = min(mine, w.inflight_tokens)
                 if not w.healthy:
                     log.info("%s worker %s is up", w.role, w.address)
                 w.healthy = True
@@ -174,14 +264,43 @@ class Router:
         """No prefill workers configured: the decode workers prefill themselves."""
         return not self._names["prefill"]
 
-    def pick(self, exclude: set[str] = frozenset()) -> tuple[WorkerHandle, WorkerHandle | None]:
-        """The least loaded decode worker and prefill worker (None when colocated)."""
-        decode = [w for w in self.decode if w.healthy and w.address not in exclude]
-        prefill = [w for w in self.prefill if w.healthy and w.address not in exclude]
-        if not decode or not (prefill or self.colocated):
-            raise NoWorkerAvailable("no healthy " + ("decode" if not decode else "prefill") + " worker")
-        return (min(decode, key=lambda w: w.decode_score),
-                min(prefill, key=lambda w: w.prefill_score) if prefill else None)
+    def pick(self, exclude: set[str] = frozenset(), prompt: Sequence[int] = ()) -> Route:
+        """A decode worker, and the prefill worker for `prompt` (None: the decode worker prefills it itself,
+        colocated or by conditional disaggregation). The prompt's uncached tokens count as queued at that prefill
+        worker until `started(route)` is called."""
+        decode_ok = [w for w in self.decode if w.healthy and w.address not in exclude]
+        if not decode_ok:
+            raise NoWorkerAvailable("no healthy decode worker")
+        decode = min(decode_ok, key=lambda w: w.decode_score)
+        limit = decode.stats.local_prefill_max_tokens
+        if self.colocated or (prompt and 0 < len(prompt) <= limit and decode.stats.queued_tokens < 4 * limit):
+            if not self.colocated:
+                self.local_prefills += 1
+            return Route(decode, None)
+        prefill_ok = [w for w in self.prefill if w.healthy and w.address not in exclude]
+        if not prefill_ok:
+            raise NoWorkerAvailable("no healthy prefill worker")
+        block_size = max(prefill_ok[0].stats.block_size, 1)
+        hashes = prefix_hashes(prompt, block_size) if self.kv_aware and prompt else []
+        now = asyncio.get_running_loop().time()
+
+        def score(w: WorkerHandle) -> tuple:
+            gain = self.overlap_weight * w.overlap(hashes, now) - w.queued_tokens / block_size
+            return (gain, -w.inflight)
+
+        prefill = max(prefill_ok, key=score)
+        uncached = max(0, len(prompt) - prefill.overlap(hashes, now) * block_size)
+        prefill.expect(hashes, now)  # it will hold them once it has run the prompt
+        prefill.inflight += 1
+        prefill.inflight_tokens += uncached
+        return Route(decode, prefill, uncached)
+
+    @staticmethod
+    def started(route: Route) -> None:
+        """The prefill worker of `route` has answered (or failed): its work no longer counts as queued there."""
+        if route.prefill is not None:
+            route.prefill.inflight -= 1
+            route.prefill.inflight_tokens -= route.queued_tokens
 
     def mark_down(self, address: str) -> None:
         for w in self.workers:

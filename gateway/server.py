@@ -85,17 +85,17 @@ async def serve(model_dir: Path, host: str, port: int, prefill: list[str], decod
                 ready_timeout: float = 300.0, tracing: Tracing | None = None,
                 metrics: GatewayMetrics | None = None, discover: bool = False, poll_interval: float = 1.0,
                 tls: TLSConfig | None = None, api_key: str | None = None, max_prompt_bytes: int = 1 << 20,
-                http_host: str | None = None, http_port: int = -1
-                ) -> tuple[RunningServer, Router, RequestPath, HTTPServer | None]:
+                http_host: str | None = None, http_port: int = -1, kv_aware: bool = True,
+                overlap_weight: float = 1.0) -> tuple[RunningServer, Router, RequestPath, HTTPServer | None]:
     """Bind the public ports first (a busy port fails at once), wait for workers, then say SERVING. With
     `http_port` >= 0 the OpenAI-compatible HTTP API is served too, on the same request path."""
     tracing = tracing or Tracing("pdserve-gateway")
     tokenizer = Tokenizer(model_dir)
     router = Router(prefill, decode, poll_interval=poll_interval, interceptors=tracing.client_interceptors(),
-                    discover=discover, tls=tls)
+                    discover=discover, tls=tls, kv_aware=kv_aware, overlap_weight=overlap_weight)
     path = RequestPath(tokenizer, model_dir.name, router, max_prompt_bytes=max_prompt_bytes, tracer=tracing.tracer,
                        metrics=metrics)
-    path.metrics.bind_router(router.counts)
+    path.metrics.bind_router(router.counts, router.indexed)
     interceptors = [*tracing.server_interceptors(), *([ApiKeyInterceptor(api_key)] if api_key else [])]
     running = await start_server(
         host, port, lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(path), s),

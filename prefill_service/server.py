@@ -47,6 +47,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.address}: {e}", here)
         return result_to_proto(result)
 
+    async def WatchCache(self, request: worker_pb2.WatchCacheRequest, context):
+        block_size = self.worker.core.allocator.block_size
+        async for snapshot, stored, removed in self.worker.watch_cache():
+            yield worker_pb2.CacheEvent(snapshot=snapshot, stored=stored, removed=removed, block_size=block_size)
+
     async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
         return worker_pb2.WorkerStats(**self.worker.stats())
 

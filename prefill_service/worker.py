@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -81,6 +82,8 @@ class PrefillWorker:
         self._jobs: dict[Sequence, _Job] = {}
         self._finishing: set[asyncio.Task] = set()
         self._closing = False
+        self._watchers: set[asyncio.Queue] = set()
+        self.core.allocator.on_cache_change = self._publish
 
     async def start(self) -> None:
         self.loop.start()
@@ -264,9 +267,45 @@ class PrefillWorker:
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         span.end()
 
+    # ---- what the prefix cache holds ---------------------------------------------------------------------
+
+    MAX_WATCH_BACKLOG = 4096
+
+    def _publish(self, stored: list[int], removed: list[int]) -> None:
+        for queue in list(self._watchers):
+            if queue.qsize() >= self.MAX_WATCH_BACKLOG:  # a watcher that stopped reading: drop it (it resubscribes)
+                self._watchers.discard(queue)
+                queue.put_nowait(None)
+            else:
+                queue.put_nowait((stored, removed))
+
+    async def watch_cache(self) -> AsyncIterator[tuple[bool, list[int], list[int]]]:
+        """(snapshot, stored, removed): first every hash the prefix cache holds, then each change, merged while
+        the reader lags."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._watchers.add(queue)
+        try:
+            yield True, self.core.allocator.cached_hashes(), []
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                stored, removed = set(item[0]), set(item[1])
+                while not queue.empty():
+                    more = queue.get_nowait()
+                    if more is None:
+                        return
+                    stored = (stored - set(more[1])) | set(more[0])
+                    removed = (removed - set(more[0])) | set(more[1])
+                yield False, list(stored), list(removed)
+        finally:
+            self._watchers.discard(queue)
+
     def stats(self) -> dict:
         return {
             **self.core.stats(), "role": self.role, "model": self.model_name,
             "running": len(self.core.scheduler.running) + len(self._finishing),
             "requests_total": self.requests_total, "pending_transfers": len(self._finishing),
+            "queued_tokens": sum(len(s.token_ids) - s.num_computed_tokens
+                                 for s in (*self.core.scheduler.waiting, *self.core.scheduler.running)),
         }

@@ -103,12 +103,28 @@ class PrefillResponse(_message.Message):
     transfer: TransferFigures
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., transfer: _Optional[_Union[TransferFigures, _Mapping]] = ...) -> None: ...
 
+class WatchCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheEvent(_message.Message):
+    __slots__ = ("snapshot", "stored", "removed", "block_size")
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("role", "model", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "block_size", "running", "waiting", "prefix_hit_tokens", "requests_total", "kv_address", "max_model_len", "pending_transfers", "preemptions_total", "local_prefills_total", "remote_prefills_total")
+    __slots__ = ("role", "model", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "block_size", "running", "waiting", "prefix_hit_tokens", "requests_total", "kv_address", "max_model_len", "pending_transfers", "preemptions_total", "local_prefills_total", "remote_prefills_total", "queued_tokens", "local_prefill_max_tokens")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +141,8 @@ class WorkerStats(_message.Message):
     PREEMPTIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILLS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILLS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     kv_blocks_total: int
@@ -141,4 +159,6 @@ class WorkerStats(_message.Message):
     preemptions_total: int
     local_prefills_total: int
     remote_prefills_total: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., kv_address: _Optional[str] = ..., max_model_len: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., local_prefills_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ...) -> None: ...
+    queued_tokens: int
+    local_prefill_max_tokens: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., block_size: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., kv_address: _Optional[str] = ..., max_model_len: _Optional[int] = ..., pending_transfers: _Optional[int] = ..., preemptions_total: _Optional[int] = ..., local_prefills_total: _Optional[int] = ..., remote_prefills_total: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., local_prefill_max_tokens: _Optional[int] = ...) -> None: ...

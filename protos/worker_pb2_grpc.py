@@ -204,6 +204,11 @@ class PrefillServiceStub:
                 request_serializer=protos_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.WatchCache = channel.unary_stream(
+                '/pdserve.v1.PrefillService/WatchCache',
+                request_serializer=protos_dot_worker__pb2.WatchCacheRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.CacheEvent.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdserve.v1.PrefillService/GetStats',
                 request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
@@ -216,6 +221,13 @@ class PrefillServiceServicer:
 
     def Prefill(self, request, context):
         """Runs the prompt, pushes its KV into `kv_target` layer by layer, answers with the first sampled token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchCache(self, request, context):
+        """What this worker's prefix cache holds: a snapshot of every cached block hash, then what it stores and evicts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -234,6 +246,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=protos_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'WatchCache': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchCache,
+                    request_deserializer=protos_dot_worker__pb2.WatchCacheRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.CacheEvent.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -268,6 +285,33 @@ class PrefillService:
             '/pdserve.v1.PrefillService/Prefill',
             protos_dot_worker__pb2.PrefillRequest.SerializeToString,
             protos_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/WatchCache',
+            protos_dot_worker__pb2.WatchCacheRequest.SerializeToString,
+            protos_dot_worker__pb2.CacheEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_allocator import BlockAllocator, BlockOwnershipError, NoFreeBlocks, prefix_hashes
+from engine.block_allocator import BlockAllocator, BlockOwnershipError, NoFreeBlocks
+from kernels.block_hash import prefix_hashes
 
 BS = 4
 
@@ -16,8 +17,14 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.alloc = BlockAllocator(num_blocks=24, block_size=BS)
+        self.published: set[int] = set()  # what a listener to the cache's events believes it holds
+        self.alloc = BlockAllocator(num_blocks=24, block_size=BS, on_cache_change=self._changed)
         self.owners: list[tuple[list[int], list[int]]] = []  # (block ids, tokens) per live sequence
+
+    def _changed(self, stored: list[int], removed: list[int]) -> None:
+        assert not set(stored) & self.published and set(removed) <= self.published
+        self.published |= set(stored)
+        self.published -= set(removed)
 
     @rule(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40))
     def allocate_sequence(self, tokens):
@@ -54,6 +61,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 expected[b] += 1
         assert expected == self.alloc.ref_counts
         assert self.alloc.num_used_blocks == sum(1 for c in expected if c)
+        assert self.published == set(self.alloc.cached_hashes())
 
     def teardown(self):
         for blocks, _ in self.owners:

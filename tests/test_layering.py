@@ -12,7 +12,7 @@ ALLOWED = {
     "cli": {"cli", "gateway", "prefill_service", "decode_service", "benchmarks", "pdserve", "engine", "kvtransfer",
             "kernels", "protos"},
     "benchmarks": {"benchmarks", "pdserve", "engine", "kvtransfer", "kernels", "protos"},
-    "gateway": {"gateway", "pdserve", "protos"},
+    "gateway": {"gateway", "pdserve", "protos", "kernels"},  # kernels: the block hash the workers name blocks by
     "prefill_service": {"prefill_service", "pdserve", "engine", "kvtransfer", "kernels", "protos"},
     "decode_service": {"decode_service", "pdserve", "engine", "kvtransfer", "kernels", "protos"},
     "pdserve": {"pdserve", "engine", "protos"},
