@@ -155,7 +155,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
         return await serve_until_signal(stop, running.failed)
 
-    return _run(main)
+    from kvtransfer.transports import shutdown_transports
+
+    try:
+        return _run(main)
+    finally:
+        shutdown_transports()  # also when start-up failed: UCX's notifier thread would keep the process alive
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

@@ -147,12 +147,17 @@ async def serve(cfg: EngineConfig, host: str, port: int, transport: str, kv_host
                                                     allowed_prefill)
     worker = DecodeWorker(cfg, clients, transport=transport, kv_host=kv_host, kv_port=kv_port, max_queued=max_queued,
                           local_prefill_max_tokens=local_prefill_max_tokens, tracer=tracing.tracer)
-    await worker.start()
-    running = await start_server(
-        host, port, lambda s: worker_pb2_grpc.add_DecodeServiceServicer_to_server(
-            DecodeServicer(worker, advertised or f"{host}:{port}", clients), s),
-        [worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name],
-        interceptors=tracing.server_interceptors(), enable_reflection=reflection, tls=tls, require_client_cert=True)
+    try:
+        await worker.start()
+        running = await start_server(
+            host, port, lambda s: worker_pb2_grpc.add_DecodeServiceServicer_to_server(
+                DecodeServicer(worker, advertised or f"{host}:{port}", clients), s),
+            [worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name],
+            interceptors=tracing.server_interceptors(), enable_reflection=reflection, tls=tls,
+            require_client_cert=True)
+    except BaseException:
+        await worker.stop()  # its model thread would keep the process alive
+        raise
     worker.loop.on_fatal = running.fail
     if worker.receiver is not None:
         log.info("decode worker on %s:%d, KV receiver at %s", host, running.port, worker.receiver.address)

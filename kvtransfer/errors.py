@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+class ListenFailed(OSError):
+    """The KV listener cannot take its port (in use, or not this machine's)."""
+
+
 class TransferError(RuntimeError):
     """A transfer for one request did not complete."""
 

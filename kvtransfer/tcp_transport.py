@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtransfer.errors import PeerDisconnected, ProtocolError
+from kvtransfer.errors import ListenFailed, PeerDisconnected, ProtocolError
 from kvtransfer.transport import MAX_HEADER, Connection, Handler, Listener, Transport, decode_header
 
 _LEN = struct.Struct("!I")
@@ -109,7 +109,11 @@ class TCPTransport(Transport):
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            raise ListenFailed(f"cannot listen for KV transfers on {host}:{port}: {e.strerror or e}") from None
         sock.listen(64)
         sock.setblocking(False)
         return TCPListener(sock, handler)

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtransfer.errors import PeerDisconnected, ProtocolError
+from kvtransfer.errors import ListenFailed, PeerDisconnected, ProtocolError
 from kvtransfer.transport import MAX_HEADER, Connection, Handler, Listener, Transport, decode_header
 
 log = logging.getLogger(__name__)
@@ -139,11 +139,15 @@ class UCXConnection(Connection):
 
 
 class UCXListener(Listener):
-    def __init__(self, host: str, handler: Handler) -> None:
+    def __init__(self, host: str, handler: Handler, port: int = 0) -> None:
         self.host = host
         self._handler = handler
         self._tasks: set[asyncio.Task] = set()
-        self._listener = _ucxx().create_listener(self._on_endpoint)
+        ucxx = _ucxx()
+        try:
+            self._listener = ucxx.create_listener(self._on_endpoint, port=port or None)
+        except ucxx.exceptions.UCXError as e:
+            raise ListenFailed(f"cannot listen for KV transfers on port {port}: in use or not allowed ({e})") from None
         self.port = self._listener.port
 
     async def _on_endpoint(self, ep) -> None:
@@ -171,9 +175,7 @@ class UCXTransport(Transport):
     name = "ucx"
 
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
-        if port:
-            log.warning("UCX listener picks its own port; ignoring requested port %d", port)
-        return UCXListener(host, handler)
+        return UCXListener(host, handler, port)
 
     async def connect(self, host: str, port: int, timeout: float) -> Connection:
         ucxx = _ucxx()

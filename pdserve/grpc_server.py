@@ -97,7 +97,8 @@ def open_channel(address: str, tls: TLSConfig | None = None,
     creds = tls.channel_credentials() if tls is not None else None
     if creds is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=list(interceptors) or None)
-    return grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS, interceptors=list(interceptors) or None)
+    return grpc.aio.secure_channel(address, creds, options=[*CHANNEL_OPTIONS, *tls.channel_options()],
+                                   interceptors=list(interceptors) or None)
 
 
 async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], None],

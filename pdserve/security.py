@@ -25,6 +25,12 @@ class TLSConfig:
     cert: str | None = None  # PEM certificate chain of this service
     key: str | None = None  # its private key
     ca: str | None = None  # PEM bundle of the CA(s) that sign the other services' certificates
+    # the name peers' certificates are checked against instead of the address dialled: workers found through
+    # DNS are dialled by IP (Kubernetes pod IPs change), so one shared name in the certificates stands for them
+    server_name: str | None = None
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
     @property
     def enabled(self) -> bool:

@@ -60,12 +60,17 @@ async def serve(cfg: EngineConfig, host: str, port: int, transport: str, tracing
                 reflection: bool = False, tls: TLSConfig | None = None) -> tuple[RunningServer, PrefillWorker]:
     tracing = tracing or Tracing("pdserve-prefill")
     worker = PrefillWorker(cfg, transport=transport, tracer=tracing.tracer)
-    await worker.start()
-    running = await start_server(
-        host, port, lambda s: worker_pb2_grpc.add_PrefillServiceServicer_to_server(
-            PrefillServicer(worker, f"{host}:{port}"), s),
-        [worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name],
-        interceptors=tracing.server_interceptors(), enable_reflection=reflection, tls=tls, require_client_cert=True)
+    try:
+        await worker.start()
+        running = await start_server(
+            host, port, lambda s: worker_pb2_grpc.add_PrefillServiceServicer_to_server(
+                PrefillServicer(worker, f"{host}:{port}"), s),
+            [worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name],
+            interceptors=tracing.server_interceptors(), enable_reflection=reflection, tls=tls,
+            require_client_cert=True)
+    except BaseException:
+        await worker.stop()  # its model thread would keep the process alive
+        raise
     worker.loop.on_fatal = running.fail
     log.info("prefill worker on %s:%d", host, running.port)
     return running, worker

@@ -68,7 +68,7 @@ def service_env() -> dict:
 def channel(address: str, tls=None) -> grpc.Channel:
     """A blocking channel to a service (TLS, with this test's client certificate, when `tls` is given)."""
     creds = tls.channel_credentials() if tls is not None else None
-    return grpc.secure_channel(address, creds) if creds else grpc.insecure_channel(address)
+    return grpc.secure_channel(address, creds, options=tls.channel_options()) if creds else grpc.insecure_channel(address)
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 180.0, tls=None) -> None:

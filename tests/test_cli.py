@@ -102,6 +102,21 @@ def test_up_refuses_busy_ports_before_starting_anything():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_decode_on_a_busy_kv_port_fails_naming_it(transport):
+    """--kv-port is honoured (Kubernetes names it as a containerPort): a busy one ends the worker, saying so."""
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run("--log-level", "ERROR", "decode", "--port", str(free_port()), "--metrics-port", "-1",
+                   "--kv-transport", transport, "--kv-port", str(port), "--kv-cache-memory", "64M", timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[-1].startswith("pdserve decode: error:") and str(port) in lines[-1], proc.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_up_answers_a_prompt_and_stops_cleanly():
     """What README's `make run` does, on free ports: the stack starts, answers, and every process exits."""
     ports = [str(free_port()) for _ in range(3)]

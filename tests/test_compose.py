@@ -132,3 +132,37 @@ def test_dashboard_queries_only_metrics_the_services_export(observed_stack):
 def test_dockerfile_passes_hadolint():
     proc = subprocess.run(["hadolint", str(COMPOSE / "Dockerfile")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_services_restart_drain_rotate_logs_and_have_limits():
+    services = config(BASE)["services"]
+    for name, svc in services.items():
+        assert svc["restart"] == "unless-stopped", name
+        assert svc["logging"]["options"]["max-size"], name
+        limits = svc["deploy"]["resources"]["limits"]
+        assert limits["cpus"] and limits["memory"], name
+        if name in ROLES:
+            grace = svc["stop_grace_period"]
+            assert grace.endswith("s") and int(grace[:-1]) > 30, "above the services' 30 s drain"
+            # the pdserve image carries its own HEALTHCHECK (pdserve health); tracing is not a start condition
+            assert "jaeger" not in svc.get("depends_on", {}), name
+        else:
+            assert svc["healthcheck"]["test"][0] == "CMD", name
+    assert services["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    assert services["jaeger"]["environment"]["MEMORY_MAX_TRACES"]
+
+
+def test_dockerfile_installs_dependencies_before_copying_source():
+    """A code change must not reinstall the dependencies: every package is copied after the pip layer that
+    installs them from pyproject alone, and no package of pyproject is left out of the image."""
+    import tomllib
+
+    lines = [ln.strip() for ln in (COMPOSE / "Dockerfile").read_text().splitlines()]
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    copied = {ln.split()[1]: i for i, ln in enumerate(lines) if ln.startswith("COPY ") and "--from" not in ln}
+    deps = next(i for i, ln in enumerate(lines) if "pip install -r" in ln)
+    assert copied["pyproject.toml"] < deps
+    for package in packages:
+        assert package in copied, f"the image lacks the {package} package"
+        assert copied[package] > deps

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 import time
 
 import grpc
@@ -13,7 +15,9 @@ from pdserve.client import Client
 from pdserve.security import TLSConfig
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.certs import make_pki
-from tests.stack import channel, scrape, start_stack
+from tests.stack import channel, scrape, service_env, start_stack
+
+PDSERVE = [sys.executable, "-m", "cli"]
 
 pytestmark = pytest.mark.slow
 
@@ -195,5 +199,28 @@ async def test_tls_everywhere_mutual_between_services_and_an_api_key(tmp_path):
 
         with channel(secured.gateway, TLSConfig(ca=pki["ca"][0])) as ch:  # health needs no key
             assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+    finally:
+        secured.stop()
+
+
+async def test_tls_with_one_service_name_for_workers_dialled_by_address(tmp_path):
+    """Certificates that name only `pdserve.internal` (as in Kubernetes, where workers are dialled by pod IP):
+    with --tls-server-name every hop verifies against that name; without it, 127.0.0.1 is not in them."""
+    pki = make_pki(tmp_path, ["service"], dns=["pdserve.internal"])
+    tls = ["--tls-cert", pki["service"][0], "--tls-key", pki["service"][1], "--tls-ca", pki["ca"][0]]
+    me = TLSConfig(*pki["service"], pki["ca"][0], server_name="pdserve.internal")
+    secured = start_stack(everyone=[*tls, "--tls-server-name", "pdserve.internal"], tls=me)
+    try:
+        async with Client(secured.gateway, tls=TLSConfig(ca=pki["ca"][0], server_name="pdserve.internal")) as c:
+            assert (await c.complete(prompt="Hello", max_tokens=3, temperature=0.0)).token_ids
+        async with Client(secured.gateway, tls=TLSConfig(ca=pki["ca"][0])) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.complete(prompt="Hello", max_tokens=3, timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        env = {**service_env(), "PDSERVE_TLS_CERT": pki["service"][0], "PDSERVE_TLS_KEY": pki["service"][1],
+               "PDSERVE_TLS_CA": pki["ca"][0], "PDSERVE_TLS_SERVER_NAME": "pdserve.internal"}
+        probe = subprocess.run([*PDSERVE, "health", "--address", secured.decode[0]], env=env, capture_output=True,
+                               text=True, timeout=60)
+        assert probe.returncode == 0, probe.stderr
     finally:
         secured.stop()
