@@ -22,7 +22,9 @@ from cli.errors import CLIError
 from cli.services import cmd_gateway, cmd_worker
 from cli.up import cmd_up
 
-LOCAL_PREFILL_DEFAULT = 0  # set from a measurement: see README, "KV-aware routing and conditional disaggregation"
+# prompts up to this many tokens are prefilled on the decode worker: measured on CPU (README, "Routing"), local
+# prefill won below ~128-256 tokens and lost at 256 and above
+LOCAL_PREFILL_DEFAULT = 128
 
 
 def parse_size(text: str) -> int:

@@ -156,7 +156,9 @@ def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1,
                   "prefill" if i == 0 else f"prefill{i}")
         for i, port in enumerate(d_ports):
             metrics = metric_ports["decode"] if i == 0 else free_port()
-            spawn("colocated" if colocated else "decode", ["--port", str(port), *common, *decode_extra], metrics,
+            # every prompt crosses the KV path unless a test asks for conditional disaggregation
+            remote = [] if colocated else ["--local-prefill-max-tokens", "0"]
+            spawn("colocated" if colocated else "decode", ["--port", str(port), *common, *remote, *decode_extra], metrics,
                   "decode" if i == 0 else f"decode{i}")
         spawn("gateway", ["--port", str(g_port), "--http-port", str(h_port), "--prefill", ",".join(stack.prefill),
                           "--decode", ",".join(stack.decode), *gateway_extra], metric_ports["gateway"], "gateway")

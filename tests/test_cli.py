@@ -162,7 +162,7 @@ def test_up_with_two_workers_per_role_spreads_requests():
     from pdserve.client import Client
     from tests.stack import Stack
 
-    proc, ports = _start_up("--prefill-workers", "2", "--decode-workers", "2")
+    proc, ports = _start_up("--prefill-workers", "2", "--decode-workers", "2", "--local-prefill-max-tokens", "0")
     try:
         p0, d0 = ports["prefill"], ports["decode"]
         stack = Stack(f"127.0.0.1:{ports['gateway']}", [f"127.0.0.1:{p0}", f"127.0.0.1:{p0 + 1}"],
