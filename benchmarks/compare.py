@@ -97,16 +97,24 @@ class Runner:
               f"TTFT p50 {metrics['ttft_ms']['median']:8.0f} ms  ITL p50 {metrics['itl_ms']['median']:6.1f} ms  "
               f"p99 {metrics['itl_ms']['percentiles']['p99']:6.1f} ms  failed {metrics['failed']}", flush=True)
 
-    def sweep(self, system: str, target, label_extra: dict | None = None) -> None:
-        for c in self.args.concurrency:
+    def sweep(self, system: str, target, label_extra: dict | None = None, concurrency: list[int] | None = None,
+              temperature: float = 0.0, top_p: float = 1.0) -> None:
+        for c in concurrency or self.args.concurrency:
             n = self.args.c1_requests if c == 1 else self.args.num_requests
             reqs = self.requests(n, seed=c)
+            for r in reqs:
+                r.temperature, r.top_p = temperature, top_p
             warm = self.requests(2, seed=1000 + c)
             for w in warm:
                 w.output_len = 8
             results, duration, peak = asyncio.run(_load(target, reqs, c, warm))
             self.record(system, c, compute_metrics(results, duration, [50, 90, 99], None, peak).as_dict(),
                         label_extra)
+
+    def sampled(self, system: str, target) -> None:
+        """The top concurrency again with temperature 0.8 and top_p 0.95: what sampling costs."""
+        self.sweep(system + " (sampled)", target, {"sampling": "temperature 0.8, top_p 0.95"},
+                   [max(self.args.concurrency)], temperature=0.8, top_p=0.95)
 
     def mixed(self, system: str, target) -> None:
         """Long and short prompts together: what disaggregation is for (decode ITL shielded from prefills)."""
@@ -150,10 +158,10 @@ class Runner:
 
     def pdserve(self, colocated: bool) -> None:
         name = "pdserve-colocated" if colocated else "pdserve-disagg"
-        port = free_port()
+        port, http = free_port(), free_port()
         argv = [sys.executable, "-m", "cli", "--log-level", "WARNING", "up", "--dtype", "bfloat16",
                 "--port", str(port), "--prefill-port", str(free_port()), "--decode-port", str(free_port()),
-                "--metrics-port", "-1", "--kv-cache-memory", "1G", "--max-num-seqs", "64"]
+                "--metrics-port", "-1", "--kv-cache-memory", "1G", "--max-num-seqs", "64", "--http-port", str(http)]
         if colocated:
             argv.append("--colocated")
         proc = spawn(argv, self.out / f"{name}.log", {"UCX_NET_DEVICES": "lo"})
@@ -165,6 +173,10 @@ class Runner:
                 time.sleep(1)
             address = f"127.0.0.1:{port}"
             self.sweep(name, lambda: GrpcTarget(address))
+            top = [max(self.args.concurrency)]
+            self.sampled(name, lambda: GrpcTarget(address))
+            if colocated:  # the same engine behind the OpenAI-compatible HTTP front door
+                self.sweep(name + " (http)", lambda: OpenAITarget(f"http://127.0.0.1:{http}", ""), {}, top)
             if self.args.mixed_requests:
                 self.mixed(name, lambda: GrpcTarget(address))
         finally:
@@ -188,6 +200,7 @@ class Runner:
             wait_http(f"http://127.0.0.1:{port}/health", proc, 900)
             url = f"http://127.0.0.1:{port}"
             self.sweep("vllm", lambda: OpenAITarget(url, "smollm2"))
+            self.sampled("vllm", lambda: OpenAITarget(url, "smollm2"))
         finally:
             stop([proc])
 

@@ -26,6 +26,8 @@ from benchmarks.bench_stats import RequestResult, compute_metrics, format_table,
 class BenchRequest:
     prompt_ids: list[int]
     output_len: int
+    temperature: float = 0.0
+    top_p: float = 1.0
 
 
 def make_requests(n: int, input_lens: list[int], output_len: int, seed: int, weights: list[float] | None = None,
@@ -61,7 +63,7 @@ class GrpcTarget:
         start = last = time.perf_counter()
         try:
             async for resp in self.client.stream(prompt_token_ids=req.prompt_ids, max_tokens=req.output_len,
-                                                 temperature=0.0, ignore_eos=True):
+                                                 temperature=req.temperature, top_p=req.top_p, ignore_eos=True):
                 now = time.perf_counter()
                 if not resp.token_ids:
                     continue
@@ -115,8 +117,9 @@ class OpenAITarget:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=6 * 3600), headers=headers)
 
     def body(self, req: BenchRequest) -> dict:
-        return {"model": self.model, "prompt": req.prompt_ids, "max_tokens": req.output_len, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        return {"model": self.model, "prompt": req.prompt_ids, "max_tokens": req.output_len,
+                "temperature": req.temperature, "top_p": req.top_p, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
 
     async def _stream(self, url: str, body: dict, result: RequestResult, start: float) -> None:
         last = start
@@ -262,6 +265,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=0, help="length of the shared prefixes prompts start with")
     p.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes; each prompt takes one")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per request (EOS ignored)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--vocab-range", default="1000,32000", help="prompt token ids are drawn from [lo, hi)")
     p.add_argument("--num-warmups", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -295,6 +300,8 @@ async def bench(args: argparse.Namespace) -> dict:
                          args.prefix_len, vocab, args.num_prefixes)
     warm = make_requests(args.num_warmups, lens, min(args.output_len, 8), args.seed + 1, weights, 0.0,
                          args.prefix_len, vocab)
+    for r in reqs + warm:
+        r.temperature, r.top_p = args.temperature, args.top_p
     target = make_target(args)
     try:
         results, duration, peak = await run_load(target, reqs, args.max_concurrency, args.request_rate, args.seed,
@@ -307,6 +314,7 @@ async def bench(args: argparse.Namespace) -> dict:
     record = {"label": args.label, "backend": args.backend, "num_requests": args.num_requests,
               "max_concurrency": args.max_concurrency, "request_rate": args.request_rate, "input_len": args.input_len,
               "input_weights": args.input_weights, "output_len": args.output_len, "prefix_len": args.prefix_len,
+              "temperature": args.temperature, "top_p": args.top_p,
               "goodput_slos_ms": slos, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "errors": errors[:5], **metrics.as_dict()}
     if metrics.completed:
