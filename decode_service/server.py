@@ -17,7 +17,7 @@ from engine.engine_loop import EngineStopped
 from engine.sampler import SamplingError
 from kvtransfer.errors import TransferError
 from pdserve.failure import failure_metadata
-from pdserve.grpc_server import RunningServer, open_channel, start_server
+from pdserve.grpc_server import RunningServer, open_channel, records_cancellation, start_server
 from pdserve.discovery import resolve_ipv4
 from pdserve.security import TLSConfig
 from pdserve.tracing import Tracing
@@ -90,6 +90,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.address = address  # how the gateway names this worker, for the failure metadata
         self.prefill = prefill
 
+    @records_cancellation
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or uuid.uuid4().hex
         params = sampling_from_proto(request.sampling)

@@ -15,7 +15,7 @@ from gateway.openai_api import HTTPServer, create_app
 from gateway.request_path import GenerationRequest, RequestError, RequestPath
 from gateway.router import NoWorkerAvailable, Router
 from gateway.tokenizer import Tokenizer
-from pdserve.grpc_server import RunningServer, start_server
+from pdserve.grpc_server import RunningServer, records_cancellation, start_server
 from pdserve.security import ApiKeyInterceptor, TLSConfig
 from pdserve.tracing import Tracing
 from protos import common_pb2, generation_pb2, generation_pb2_grpc
@@ -51,6 +51,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, path: RequestPath) -> None:
         self.path = path
 
+    @records_cancellation
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         req = request_from_proto(request, context)
         try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import signal
 import socket
@@ -153,3 +155,38 @@ async def serve_until_signal(stop: Callable[[], Awaitable[None]], fatal: asyncio
         if not w.done():
             w.cancel()
     return 1 if failed else 0
+
+
+def records_cancellation(method: Callable) -> Callable:
+    """For a servicer method: a call the client cancelled, or whose deadline passed, ends with CANCELLED or
+    DEADLINE_EXCEEDED on its context, so the server span (OpenTelemetry's interceptor reads the context's code)
+    says so instead of OK. Works for unary and streaming handlers."""
+
+    def note(context: grpc.aio.ServicerContext) -> None:
+        remaining = context.time_remaining()
+        passed = remaining is not None and remaining <= 0
+        try:
+            context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED if passed else grpc.StatusCode.CANCELLED)
+        except Exception:  # noqa: BLE001 - the call is gone; the span is all this is for
+            pass
+
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        async def stream(self, request, context):
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except asyncio.CancelledError:
+                note(context)
+                raise
+        return stream
+
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        try:
+            return await method(self, request, context)
+        except asyncio.CancelledError:
+            note(context)
+            raise
+    return unary
+

@@ -12,7 +12,7 @@ from engine.sampler import SamplingError
 from kernels.kv_layout import LayoutMismatch
 from kvtransfer.errors import TransferError
 from pdserve.failure import failure_metadata
-from pdserve.grpc_server import RunningServer, start_server
+from pdserve.grpc_server import RunningServer, records_cancellation, start_server
 from pdserve.security import TLSConfig
 from pdserve.tracing import Tracing
 from pdserve.wire import job_from_proto, result_to_proto
@@ -27,6 +27,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.worker = worker
         self.address = address
 
+    @records_cancellation
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         here = failure_metadata("prefill", self.address)
         try:

@@ -8,6 +8,7 @@ import logging
 import math
 from collections import defaultdict
 
+import grpc
 import pytest
 
 from pdserve.client import Client
@@ -214,3 +215,30 @@ def test_request_log_line_formats():
     assert as_json["request_id"] == "r1" and as_json["trace_id"] == "ab" * 16 and as_json["service"] == "gateway"
     text = TextFormatter("gateway").format(record)
     assert "request_id=r1" in text and f"trace_id={'ab' * 16}" in text and "e2e_s=0.5000" in text
+
+
+async def test_cancelled_and_timed_out_requests_say_so_on_their_server_spans(observed_stack):
+    """A client that cancels, and one whose deadline passes: the gateway's and the decode worker's server spans
+    carry CANCELLED (1) and DEADLINE_EXCEEDED (4), not OK."""
+    stack, otlp, _ = observed_stack
+    async with Client(stack.gateway) as client:
+        call = client.stream(prompt="Write a long essay", max_tokens=400, ignore_eos=True, request_id="obs-cancel")
+        async for _ in call:
+            break  # the first token arrived: the request is decoding
+        call.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.complete(prompt="Write a long essay", max_tokens=400, ignore_eos=True, timeout=1.0,
+                                  request_id="obs-deadline")
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    stack.wait_idle()
+    methods = {"/pdserve.v1.Generation/Generate", "/pdserve.v1.DecodeService/Decode"}
+
+    def server_spans(spans, rid):
+        ids = {s.trace_id for s in spans if s.attributes.get("pdserve.request_id") == rid}
+        return [s for s in spans if s.trace_id in ids and s.kind == "SERVER" and s.name in methods]
+
+    spans = otlp.wait_for(lambda spans: all(len(server_spans(spans, rid)) == 2
+                                            for rid in ("obs-cancel", "obs-deadline")))
+    for rid, code in (("obs-cancel", grpc.StatusCode.CANCELLED), ("obs-deadline", grpc.StatusCode.DEADLINE_EXCEEDED)):
+        for span in server_spans(spans, rid):
+            assert span.attributes["rpc.grpc.status_code"] == code.value[0], (rid, span.name, span.attributes)
