@@ -73,8 +73,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads for this worker")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "flash-attn", "triton", "torch"],
                    help="auto: flash-attn > triton > torch, by what the device supports (logged at start-up)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto; the KV transfer moves host memory, so "
-                                                   "disaggregated workers run on cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto: where the weights and the KV cache live "
+                                                   "(KV between workers is staged through host memory)")
     p.add_argument("--kv-transport", default=os.environ.get("PDSERVE_KV_TRANSPORT", "ucx"), choices=["ucx", "tcp"])
 
 

@@ -94,8 +94,6 @@ class DecodeWorker:
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.receiver = None
         if call_prefill is not None:
-            if self.core.runner.device.type != "cpu":
-                raise ValueError("the KV transfer moves host memory: run disaggregated workers with --device cpu")
             self.receiver = KVReceiver(self.core.runner.kv_cache, self.core.layout, make_transport(transport),
                                        kv_host, kv_port, timeout=transfer_timeout)
         self.tracer = tracer or trace.NoOpTracer()

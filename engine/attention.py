@@ -161,10 +161,14 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def available_backends(device: torch.device, block_size: int) -> list[str]:
-    """Backends that can run here, best first."""
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def available_backends(device: torch.device, block_size: int, dtype: torch.dtype | None = None) -> list[str]:
+    """Backends that can run here, best first (flash-attn needs CUDA, fp16/bf16 and paged blocks of 256n)."""
     have = []
-    if device.type == "cuda" and _has("flash_attn") and block_size % FLASH_BLOCK_MULTIPLE == 0:
+    if (device.type == "cuda" and _has("flash_attn") and block_size % FLASH_BLOCK_MULTIPLE == 0
+            and (dtype is None or dtype in FLASH_DTYPES)):
         have.append("flash-attn")
     if _has("triton") and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         have.append("triton")
@@ -172,18 +176,20 @@ def available_backends(device: torch.device, block_size: int) -> list[str]:
     return have
 
 
-def select_backend(name: str = "auto", device: torch.device | None = None, block_size: int = 16) -> AttentionBackend:
+def select_backend(name: str = "auto", device: torch.device | None = None, block_size: int = 16,
+                   dtype: torch.dtype | None = None) -> AttentionBackend:
     """Pick the attention backend; 'auto' takes the best one this device supports. Logs the choice."""
     device = device or torch.device("cpu")
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r}: choose from {', '.join(BACKENDS)}")
-    have = available_backends(device, block_size)
+    have = available_backends(device, block_size, dtype)
     if name == "auto":
         # On CPU the Triton interpreter is a test vehicle, never a speed-up: auto keeps torch there.
         name = have[0] if device.type == "cuda" else "torch"
     elif name not in have:
-        why = {"flash-attn": f"needs CUDA, the flash-attn package and a block size that is a multiple of "
-                             f"{FLASH_BLOCK_MULTIPLE} (have {device.type}, block size {block_size})",
+        why = {"flash-attn": f"needs CUDA, the flash-attn package, float16 or bfloat16 and a block size that is a "
+                             f"multiple of {FLASH_BLOCK_MULTIPLE} (have {device.type}, {dtype}, block size "
+                             f"{block_size})",
                "triton": "needs the triton package and CUDA (or TRITON_INTERPRET=1 on CPU)"}[name]
         raise ValueError(f"attention backend {name!r} is not available here: it {why}")
     backend = {"flash-attn": FlashAttention, "triton": TritonAttention, "torch": TorchAttention}[name]()

@@ -43,7 +43,7 @@ class ModelRunner:
         self.layout = layout
         self.device = torch.device(device)
         self.kv_cache = layout.allocate(self.device)
-        self.backend = select_backend(attention_backend, self.device, layout.block_size)
+        self.backend = select_backend(attention_backend, self.device, layout.block_size, layout.torch_dtype)
         self.sampler = Sampler(self.config.vocab_size, self.config.eos_token_ids)
 
     @classmethod

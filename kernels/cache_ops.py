@@ -25,3 +25,28 @@ def pack_blocks(layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 def unpack_blocks(buffer: torch.Tensor, layer: torch.Tensor, block_ids: torch.Tensor) -> None:
     """Write a packed `[2, n, ...]` buffer into the named blocks of `layer`."""
     layer.index_copy_(1, block_ids.long(), buffer)
+
+
+def _triton_on(t: torch.Tensor) -> bool:
+    import importlib.util
+
+    return t.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def gather_blocks(layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """`pack_blocks`, by the Triton kernel on a GPU (one launch instead of an index_select per layer and kind)."""
+    if _triton_on(layer):
+        from kernels.triton_kv_blocks import pack_blocks as triton_pack
+
+        return triton_pack(layer, block_ids)
+    return pack_blocks(layer, block_ids)
+
+
+def scatter_blocks(buffer: torch.Tensor, layer: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """`unpack_blocks`, by the Triton kernel on a GPU."""
+    if _triton_on(layer):
+        from kernels.triton_kv_blocks import unpack_blocks as triton_unpack
+
+        triton_unpack(buffer, layer, block_ids)
+    else:
+        unpack_blocks(buffer, layer, block_ids)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels.cache_ops import scatter_blocks
 from kernels.kv_layout import KVLayout, LayoutMismatch
 from kvtransfer.errors import PeerDisconnected, ProtocolError, TransferCancelled, TransferError, TransferTimeout
 from kvtransfer.stats import StatsHook, TransferStats
@@ -261,18 +262,18 @@ class KVReceiver:
         try:
             run = contiguous_run(blocks)
             # a sender that stalls mid-message for longer than the timeout loses its connection (bounded wait)
-            if run is not None:
+            if run is not None and self.cache.device.type == "cpu":  # straight into the cache
                 await asyncio.wait_for(conn.recv_many([as_bytes(self.cache[layer, kv, run[0]:run[1]])
                                                        for layer in layers for kv in (0, 1)]), self.timeout)
-            else:
+            else:  # scattered blocks, or device memory: land in host memory, then copy into place
                 shape = (len(layers), 2, len(blocks)) + tuple(self.cache.shape[3:])
                 staging = torch.empty(shape, dtype=self.cache.dtype)
                 await asyncio.wait_for(conn.recv_many([as_bytes(staging[i, kv]) for i in range(len(layers))
                                                        for kv in (0, 1)]), self.timeout)
                 if self._expected.get(tid) is exp:  # not cancelled while the bytes were in flight
-                    index = torch.tensor(blocks)
+                    index = torch.tensor(blocks, device=self.cache.device)
                     for i, layer in enumerate(layers):
-                        self.cache[layer].index_copy_(1, index, staging[i])
+                        scatter_blocks(staging[i].to(self.cache.device), self.cache[layer], index)
         finally:
             exp.receiving.set_result(None)
             exp.receiving = None

@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.cache_ops import gather_blocks
 from kernels.kv_layout import KVLayout, LayoutMismatch
 from kvtransfer.errors import PeerDisconnected, TransferCancelled, TransferError, TransferTimeout
 from kvtransfer.receiver import contiguous_run
 from kvtransfer.stats import StatsHook, TransferStats
-from kvtransfer.transport import Connection, Transport, as_bytes, parse_address
+from kvtransfer.transport import Connection, Transport, as_bytes, parse_address, to_host
 
 log = logging.getLogger(__name__)
 
@@ -260,10 +261,12 @@ class KVSender:
             return
         kv_layer = self.cache[layer]
         if req.src_run is not None:
-            k, v = kv_layer[0, req.src_run[0]:req.src_run[1]], kv_layer[1, req.src_run[0]:req.src_run[1]]
+            packed = kv_layer[:, req.src_run[0]:req.src_run[1]]
         else:
-            packed = kv_layer.index_select(1, torch.tensor(req.src_block_ids))
-            k, v = packed[0], packed[1]
+            packed = gather_blocks(kv_layer, torch.tensor(req.src_block_ids, device=kv_layer.device))
+        if packed.device.type != "cpu":
+            packed = to_host(packed)
+        k, v = packed[0], packed[1]
         nbytes = 2 * len(req.src_block_ids) * self.layout.page_nbytes
         header = {"type": "layer", "req": request_id, "layers": [layer], "n": len(req.src_block_ids)}
         on_loop = _running_loop() is self._loop

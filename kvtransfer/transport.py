@@ -31,6 +31,12 @@ def decode_header(blob: bytes | bytearray) -> dict:
     return header
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of device memory to send. Every transport moves host bytes: KV in GPU memory is staged
+    through host memory on both sides (the copy waits for the forward that wrote it)."""
+    return t.to("cpu")
+
+
 def as_bytes(t: torch.Tensor) -> np.ndarray:
     """A flat uint8 numpy view of a contiguous CPU tensor (no copy; writable)."""
     if not t.is_contiguous():

@@ -67,8 +67,6 @@ class PrefillWorker:
         self.loop = EngineLoop(lambda: EngineCore(cfg), self.role, layer_hooks=self._layer_hooks,
                                on_step=self._on_step)
         self.core = self.loop.core
-        if self.core.runner.device.type != "cpu":
-            raise ValueError("the KV transfer moves host memory: run disaggregated workers with --device cpu")
         self.model_name = self.core.model_config.name
         self.layout = self.core.layout
         self.sender = KVSender(self.core.runner.kv_cache, self.layout, make_transport(transport),

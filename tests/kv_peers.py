@@ -18,11 +18,11 @@ SECRET = "the-receivers-secret"
 
 def make_cache(num_blocks: int, seed: int | None, layout: dict) -> torch.Tensor:
     shape = (layout["num_layers"], 2, num_blocks, layout["block_size"], layout["num_kv_heads"], layout["head_dim"])
-    dtype = getattr(torch, layout["dtype"])
+    dtype, device = getattr(torch, layout["dtype"]), layout.get("device", "cpu")
     if seed is None:
-        return torch.zeros(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g).to(dtype)
+    return torch.randn(shape, generator=g).to(dtype).to(device)
 
 
 def _other_tasks() -> list[str]:
@@ -63,7 +63,7 @@ def receiver_main(pipe, transport_name: str, layout: dict, num_blocks: int, time
             elif cmd[0] == "cancel":
                 recv.cancel(cmd[1])
             elif cmd[0] == "read":
-                pipe.send(("blocks", cache[:, :, cmd[1]].clone()))
+                pipe.send(("blocks", cache[:, :, cmd[1]].cpu()))
             elif cmd[0] == "progress":
                 pipe.send(("progress", recv.layers_landed(cmd[1])))
             elif cmd[0] == "stats":

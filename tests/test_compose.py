@@ -74,14 +74,18 @@ def test_every_service_runs_a_valid_pdserve_command():
     assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
 
 
-def test_gpu_override_reserves_nvidia_devices_and_sets_ucx():
+def test_gpu_override_puts_the_workers_on_nvidia_devices():
     services = config(BASE, GPU)["services"]
+    base = config(BASE)["services"]
     for role in ("prefill", "decode"):
         devices = services[role]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
-        assert "cuda_ipc" in services[role]["environment"]["UCX_TLS"]
         assert services[role]["build"]["args"]["EXTRAS"] == "gpu"
-        assert build_parser().parse_args(services[role]["command"]).command == role
+        args = build_parser().parse_args(services[role]["command"])
+        assert args.command == role and args.device == "cuda"
+        cpu_args = build_parser().parse_args(base[role]["command"])
+        assert (args.host, args.port, args.metrics_port) == (cpu_args.host, cpu_args.port, cpu_args.metrics_port)
+        assert services[role]["deploy"]["resources"]["limits"] == base[role]["deploy"]["resources"]["limits"]
 
 
 def test_prometheus_scrapes_every_service_on_its_metrics_port():

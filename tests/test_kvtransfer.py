@@ -104,18 +104,22 @@ JOBS = [  # (request id, source blocks in the sender, destination blocks in the 
 
 
 @TRANSPORTS
-def test_blocks_arrive_bit_exact_with_several_requests_in_flight(transport, env_loopback):
-    recv, address = _receiver(transport)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_blocks_arrive_bit_exact_with_several_requests_in_flight(transport, device, env_loopback):
+    """Contiguous and scattered blocks, several requests at once; with CUDA, both caches in device memory."""
+    layout = {**LAYOUT, "device": device}
+    recv, address = _receiver(transport, layout=layout)
     sender = None
     try:
         for rid, _, dst in JOBS:
             recv.pipe.send(("expect", rid, dst, None))
-        sender = Peer(sender_main, transport, LAYOUT, SEND_BLOCKS, address, JOBS, 1234, WAIT)
+        sender = Peer(sender_main, transport, layout, SEND_BLOCKS, address, JOBS, 1234, WAIT)
         sent = sender.collect({"sent"}, len(JOBS))
         assert sender.expect("connections")[1] == 1, "one connection per sender/receiver pair"
         assert sender.expect("finished")[1] == []
         done = {m[1]: m[2] for m in recv.collect({"done"}, len(JOBS))}
-        source = make_cache(SEND_BLOCKS, 1234, LAYOUT)
+        source = make_cache(SEND_BLOCKS, 1234, LAYOUT)  # the same values, on the host
         block_bytes = source[0, 0, 0].numel() * source.element_size()
         for rid, src, dst in JOBS:
             recv.pipe.send(("read", dst))

@@ -1,6 +1,8 @@
 """Every Triton kernel against its plain-torch reference, on CPU through Triton's interpreter.
 
-TRITON_INTERPRET must be set before the kernels are defined, so it is set here, before they are imported.
+TRITON_INTERPRET must be set before the kernels are defined: `tests/conftest.py` sets it for the whole run, and
+only where there is no CUDA device. With one, these tests skip and `test_kernels_cuda.py` runs the same kernels
+compiled (an interpreter set here, at import, would have turned those into interpreted runs too).
 Shapes stay tiny (the interpreter runs each program in Python); dtypes are fp32/fp16.
 """
 
@@ -8,12 +10,12 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="a CUDA device is present: test_kernels_cuda.py runs the kernels compiled")
 
 from kernels.cache_ops import pack_blocks, store_kv, unpack_blocks  # noqa: E402
 from kernels.paged_attention import paged_attention  # noqa: E402
@@ -109,7 +111,7 @@ def test_backend_selection_on_cpu():
 
     cpu = torch.device("cpu")
     assert select_backend("auto", cpu).name == "torch"  # the interpreter is never picked for speed
-    assert available_backends(cpu, 16) == ["triton", "torch"]  # TRITON_INTERPRET=1 in this module
+    assert available_backends(cpu, 16) == ["triton", "torch"]  # TRITON_INTERPRET=1 (conftest)
     assert select_backend("triton", cpu).name == "triton"
     with pytest.raises(ValueError, match="flash-attn"):
         select_backend("flash-attn", cpu)
@@ -135,3 +137,17 @@ def test_engine_greedy_with_triton_backend_equals_torch_backend(tiny_model_dir, 
         outputs[backend] = engine.generate(prompts, params)
     assert outputs["triton"] == outputs["torch"]
     assert all(len(o) == 6 for o in outputs["torch"])
+
+
+def test_flash_attn_is_offered_only_for_the_dtypes_it_supports(monkeypatch):
+    """flash-attn runs fp16/bf16 only: with fp32 (or a block size it cannot page) auto falls back to Triton."""
+    import engine.attention as attention
+
+    monkeypatch.setattr(attention, "_has", lambda module: True)
+    cuda = torch.device("cuda")
+    assert attention.available_backends(cuda, 256, torch.bfloat16)[0] == "flash-attn"
+    assert attention.available_backends(cuda, 256, torch.float16)[0] == "flash-attn"
+    assert attention.available_backends(cuda, 256, torch.float32) == ["triton", "torch"]
+    assert attention.available_backends(cuda, 16, torch.bfloat16) == ["triton", "torch"]
+    with pytest.raises(ValueError, match="float16 or bfloat16"):
+        attention.select_backend("flash-attn", cuda, 256, torch.float32)
