@@ -34,11 +34,13 @@ def bench_engine(engine, prompts, out_len) -> float:
 
 
 def bench_hf(model, prompts, out_len) -> float:
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
                              min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+    if out.is_cuda:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     assert out.shape[1] == ids.shape[1] + out_len
     return len(prompts) * out_len / elapsed
@@ -52,6 +54,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: both engines run there")
+    ap.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the engine's KV pool")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args()
 
@@ -65,12 +69,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     path = resolve_model(None)
     dtype = parse_dtype(args.dtype)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval().to(args.device)
     engine = EngineCore(EngineConfig(model=str(path), dtype=args.dtype, max_num_seqs=max(args.batches),
-                                    kv_cache_memory=1 << 30))
+                                    kv_cache_memory=args.kv_cache_memory, device=args.device))
     bench_engine(engine, _prompts(2, 16, 0), 4)  # warm-up
     rows = []
-    print(f"dtype={args.dtype} threads={torch.get_num_threads()} prompt={args.prompt_len} out={args.output_len}")
+    print(f"dtype={args.dtype} device={args.device} threads={torch.get_num_threads()} prompt={args.prompt_len} "
+          f"out={args.output_len}")
     print(f"{'batch':>5} {'pdserve tok/s':>14} {'HF tok/s':>10} {'ratio':>6}   (median of {args.repeats})")
     for b in args.batches:
         ours, theirs = [], []
@@ -85,7 +90,7 @@ def main() -> None:
         print(f"{b:>5} {row['pdserve']:>14.1f} {row['hf']:>10.1f} {row['ratio']:>6.2f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"dtype": args.dtype, "rows": rows}, f, indent=2)
+            json.dump({"dtype": args.dtype, "device": args.device, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

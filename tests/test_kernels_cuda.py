@@ -15,6 +15,13 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 needs_flash = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn")
 
 DTYPES = [torch.float16, torch.bfloat16]
+
+
+def test_kernels_run_compiled_not_interpreted():
+    """conftest turns Triton's interpreter on only without CUDA: here the kernels must be compiled."""
+    import os
+
+    assert os.environ.get("TRITON_INTERPRET") != "1"
 TOL = dict(atol=2e-2, rtol=2e-2)
 
 
