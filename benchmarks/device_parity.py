@@ -51,6 +51,7 @@ async def served_greedy(address: str, batch: list[list[int]], n: int) -> list[li
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--backend", default="auto", help="the engine's attention backend")
@@ -65,7 +66,7 @@ def main() -> None:
     from engine.config import parse_dtype
     from engine.model_store import resolve_model
 
-    path = str(resolve_model(None))
+    path = str(resolve_model(args.model))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(args.dtype)).eval().to(args.device)
     batch = prompts(args.requests, args.prompt_len)
     want = [hf_greedy(hf, p, args.tokens) for p in batch]

@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: both engines run there")
+    ap.add_argument("--model", default=None, help="model directory (default: the built-in model)")
     ap.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the engine's KV pool")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args()
@@ -67,7 +68,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = resolve_model(None)
+    path = resolve_model(args.model)
     dtype = parse_dtype(args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval().to(args.device)
     engine = EngineCore(EngineConfig(model=str(path), dtype=args.dtype, max_num_seqs=max(args.batches),

@@ -37,6 +37,15 @@ else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 PDSERVE=($PY -m cli)
+# the model: the built-in one where it is installed, else a random-weight twin of it (see gpu_wheels.sh)
+MODEL=${MODEL:-}
+if [ -z "$MODEL" ]; then
+    if $PY -c "from engine.model_store import resolve_model; resolve_model(None)" >/dev/null 2>&1; then MODEL=default
+    elif [ -d .whl/model ]; then MODEL=$($PY -m benchmarks.random_model .whl/model /tmp/pdserve-check-model | tail -1)
+    fi
+fi
+KVT=ucx; $PY -c "import ucxx" >/dev/null 2>&1 || KVT=tcp
+record setup $([ -n "$MODEL" ]; echo $?) "model ${MODEL:-none}, KV transport $KVT"
 KV=8G; KV_BYTES=$((8 << 30)); [ -n "$QUICK" ] && { KV=512M; KV_BYTES=$((512 << 20)); }
 port() { $PY -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
 wait_up() { for _ in $(seq 1 300); do grep -q "^serving" "$1" && return 0; kill -0 "$2" 2>/dev/null || return 1; sleep 1; done; return 1; }
@@ -54,22 +63,22 @@ record tests $? "$(tail -1 "$OUT/pytest.txt")"
 # 2. engine against transformers on the device
 backend=triton; [ "$DEVICE" = cpu ] && backend=torch
 n=8; [ -n "$QUICK" ] && n=2
-timeout 600 $PY -m benchmarks.device_parity --device "$DEVICE" --dtype float32 --backend "$backend" --requests $n \
+timeout 600 $PY -m benchmarks.device_parity --model "$MODEL" --device "$DEVICE" --dtype float32 --backend "$backend" --requests $n \
     > "$OUT/parity-fp32.json" 2>"$OUT/parity-fp32.err"
 record engine-fp32-exact $? "$(cat "$OUT/parity-fp32.json")"
-timeout 600 $PY -m benchmarks.device_parity --device "$DEVICE" --dtype bfloat16 --requests $n \
+timeout 600 $PY -m benchmarks.device_parity --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --requests $n \
     > "$OUT/parity-bf16.json" 2>"$OUT/parity-bf16.err"
 record engine-bf16 0 "$(cat "$OUT/parity-bf16.json")"
 
 # 3. a disaggregated stack on the device: 16 concurrent requests token-exact
 G=$(port); P=$(port); D=$(port)
-"${PDSERVE[@]}" --log-level WARNING up --device "$DEVICE" --dtype float32 --port "$G" --prefill-port "$P" \
+"${PDSERVE[@]}" --log-level WARNING up --model "$MODEL" --kv-transport $KVT --device "$DEVICE" --dtype float32 --port "$G" --prefill-port "$P" \
     --decode-port "$D" --metrics-port -1 --http-port -1 --kv-cache-memory 1G --local-prefill-max-tokens 0 \
     > "$OUT/up-fp32.log" 2>&1 &
 UP=$!
 if wait_up "$OUT/up-fp32.log" $UP; then
     n=16; [ -n "$QUICK" ] && n=4
-    timeout 600 $PY -m benchmarks.device_parity --device "$DEVICE" --dtype float32 --served "127.0.0.1:$G" \
+    timeout 600 $PY -m benchmarks.device_parity --model "$MODEL" --device "$DEVICE" --dtype float32 --served "127.0.0.1:$G" \
         --requests $n > "$OUT/parity-served.json" 2>"$OUT/parity-served.err"
     record disaggregated-exact $? "$(cat "$OUT/parity-served.json")"
 else
@@ -80,7 +89,7 @@ kill -TERM $UP; wait $UP
 # 4. decode throughput against transformers.generate
 batches=(1 64 256); [ -n "$QUICK" ] && batches=(1 4)
 out=128; [ -n "$QUICK" ] && out=8
-timeout 900 $PY -m benchmarks.engine_throughput --device "$DEVICE" --dtype bfloat16 --batches "${batches[@]}" \
+timeout 900 $PY -m benchmarks.engine_throughput --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --batches "${batches[@]}" \
     --output-len $out --repeats 1 --kv-cache-memory $KV_BYTES --json "$OUT/engine.json" > "$OUT/engine.txt" 2>&1
 record engine-throughput $? "$(tail -${#batches[@]} "$OUT/engine.txt" | tr -s ' ' | paste -sd ';')"
 
@@ -89,7 +98,7 @@ levels=(1 8 32 128); [ -n "$QUICK" ] && levels=(1 4)
 for mode in disagg colocated; do
     G=$(port); P=$(port); D=$(port)
     extra=(); [ "$mode" = colocated ] && extra=(--colocated)
-    "${PDSERVE[@]}" --log-level WARNING up --device "$DEVICE" --dtype bfloat16 --port "$G" --prefill-port "$P" \
+    "${PDSERVE[@]}" --log-level WARNING up --model "$MODEL" --kv-transport $KVT --device "$DEVICE" --dtype bfloat16 --port "$G" --prefill-port "$P" \
         --decode-port "$D" --metrics-port -1 --http-port -1 --kv-cache-memory $KV --max-num-seqs 256 "${extra[@]}" \
         > "$OUT/up-$mode.log" 2>&1 &
     UP=$!

@@ -32,3 +32,20 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert [r["batch"] for r in summary["engine_throughput"]["rows"]] == [1, 4]
     assert all(b["failed"] == 0 for b in summary["served"]) and len(summary["served"]) == 4
     assert os.path.exists(tmp_path / "device.txt")
+
+
+def test_random_weight_twin_loads_and_matches_transformers(tiny_model_dir, tmp_path):
+    """What the device check runs when the built-in model cannot travel: config and tokenizer exported, random
+    weights built from them; the engine's greedy tokens equal transformers' on it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.device_parity import engine_greedy, hf_greedy
+    from benchmarks.random_model import build, export_config
+
+    export_config(tiny_model_dir, tmp_path / "shipped")
+    assert not list((tmp_path / "shipped").glob("*.safetensors"))
+    twin = build(tmp_path / "shipped", tmp_path / "twin")
+    hf = AutoModelForCausalLM.from_pretrained(str(twin), dtype=torch.float32).eval()
+    batch = [[5, 17, 99, 3, 42], [7, 8, 9]]
+    assert engine_greedy(str(twin), "cpu", "float32", "torch", batch, 8) == [hf_greedy(hf, p, 8) for p in batch]
