@@ -41,7 +41,10 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1 && ! docker pull -q "$BASE" >/
         rm -rf "$WORK/rootfs"
         debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates bookworm \
             "$WORK/rootfs" http://deb.debian.org/debian > "$WORK/debootstrap.log" 2>&1
-        tar -C "$WORK/rootfs" -c . | docker import - "$BASE" >/dev/null
+        # pip in the image trusts what this host trusts (a TLS-inspecting proxy on the way to PyPI, say)
+        cp /etc/ssl/certs/ca-certificates.crt "$WORK/rootfs/etc/ssl/certs/ca-certificates.crt"
+        tar -C "$WORK/rootfs" -c . | docker import --change "ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt" \
+            --change "ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt" - "$BASE" >/dev/null
     fi
 fi
 
@@ -52,7 +55,8 @@ if ! curl -sfI --max-time 10 "$TORCH_INDEX/" >/dev/null; then
 fi
 log "building pdserve:latest on $BASE, torch from $TORCH_INDEX"
 start=$(date +%s)
-DOCKER_BUILDKIT=1 docker build -q -f compose/Dockerfile -t pdserve:latest --build-arg BASE_IMAGE="$BASE" \
+buildkit=0; docker buildx version >/dev/null 2>&1 && buildkit=1  # the legacy builder where buildx is missing
+DOCKER_BUILDKIT=$buildkit docker build -q -f compose/Dockerfile -t pdserve:latest --build-arg BASE_IMAGE="$BASE" \
     --build-arg TORCH_INDEX="$TORCH_INDEX" . > "$WORK/build.log" 2>&1 \
     || { tail -30 "$WORK/build.log"; exit 1; }
 log "built in $(( $(date +%s) - start )) s, $(docker image inspect pdserve:latest --format '{{.Size}}' | awk '{printf "%.2f GB", $1/1e9}')"
