@@ -27,7 +27,10 @@ docker compose version >/dev/null 2>&1 || COMPOSE=("$(python3 -c 'import importl
 
 cleanup() {
     "${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" down -t 45 >/dev/null 2>&1 || true
-    if [ "${STARTED_DOCKERD:-}" = 1 ]; then kill "$(cat "$WORK/dockerd.pid")" 2>/dev/null || true; fi
+    if [ "${STARTED_DOCKERD:-}" = 1 ]; then
+        kill "$(cat "$WORK/dockerd.pid")" 2>/dev/null || true
+        for _ in $(seq 1 30); do [ -e "$WORK/dockerd.pid" ] || break; sleep 1; done
+    fi
 }
 trap cleanup EXIT
 
@@ -66,20 +69,26 @@ cat > "$WORK/smoke.yml" <<'YAML'
 services:
   jaeger:
     image: pdserve:latest
-    command: ["traces", "--host", "0.0.0.0", "--port", "4318", "--quiet", "2"]
+    command: ["traces", "--host", "0.0.0.0", "--port", "4318", "--quiet", "10"]
     environment: {}
-    healthcheck: {disable: true}
+    healthcheck:
+      test: ["CMD", "python3", "-c", "import socket; socket.create_connection(('127.0.0.1', 4318), 2)"]
+      interval: 2s
+      retries: 30
     ports: []
 YAML
 log "starting gateway, prefill, decode and the trace receiver"
+"${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" down -t 5 >/dev/null 2>&1 || true
 "${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" up -d --wait --wait-timeout 600 \
     jaeger prefill decode gateway > "$WORK/up.log" 2>&1 || { tail -30 "$WORK/up.log"; exit 1; }
 log "stack healthy; one request"
+# longer than the decode workers' --local-prefill-max-tokens (128), so it takes the prefill worker and the KV path
+prompt="Summarize in one line: $(printf 'the quick brown fox jumps over the lazy dog. %.0s' $(seq 1 25))"
 answer=$(docker run --rm --network pdserve-smoke_default pdserve:latest generate --address gateway:50051 \
-    --max-tokens 16 --temperature 0 "Say hello.")
+    --max-tokens 16 --temperature 0 "$prompt")
 [ -n "$answer" ] || { log "FAILED: empty answer"; exit 1; }
 log "answer: $answer"
-for _ in $(seq 1 30); do
+for _ in $(seq 1 60); do
     "${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" logs jaeger 2>/dev/null \
         | grep -q "kv.transfer" && break
     sleep 1
