@@ -16,21 +16,21 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(1800)  # slow on a busy machine: it starts two stacks and loads the model several times
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     env = {**service_env(), "DEVICE": "cpu", "QUICK": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
     env.pop("TRITON_INTERPRET", None)  # the script's own pytest run decides, as on the GPU machine
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1200)
+                          capture_output=True, text=True, timeout=1700)
     summary = json.loads((tmp_path / "summary.json").read_text())
     failed = [s for s in summary["steps"] if not s["ok"]]
     assert proc.returncode == 0 and summary["ok"], (failed, proc.stdout[-3000:], proc.stderr[-3000:])
     names = {s["step"] for s in summary["steps"]}
-    assert {"tests", "engine-fp32-exact", "engine-bf16", "disaggregated-exact", "engine-throughput",
-            "served-disagg-c1", "served-colocated-c4"} <= names
+    assert {"tests", "engine-fp32-exact", "disaggregated-exact", "engine-throughput", "served-disagg-c2"} <= names
     served = json.loads(next(s["detail"] for s in summary["steps"] if s["step"] == "disaggregated-exact"))
     assert served["exact"] and served["requests"] == 4
     assert [r["batch"] for r in summary["engine_throughput"]["rows"]] == [1, 4]
-    assert all(b["failed"] == 0 for b in summary["served"]) and len(summary["served"]) == 4
+    assert all(b["failed"] == 0 for b in summary["served"]) and len(summary["served"]) == 1
     assert os.path.exists(tmp_path / "device.txt")
 
 
