@@ -307,12 +307,10 @@ async def _complete(path: RequestPath, req: GenerationRequest, renderer: _Render
     """The whole answer at once; the request is cancelled if the client disconnects first."""
 
     async def run() -> JSONResponse:
-        text, logprobs, deltas = [], [], []
-        async for delta in path.run(req, "http"):
-            text.append(delta.text)
-            deltas.append(delta)
+        deltas = [delta async for delta in path.run(req, "http")]
         last = deltas[-1]
-        merged = Delta("".join(text), [t for d in deltas for t in d.token_ids], [lp for d in deltas for lp in d.logprobs])
+        merged = Delta("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
+                       [lp for d in deltas for lp in d.logprobs])
         return JSONResponse(renderer.whole(merged.text, renderer.logprobs(merged), last.finish_reason, last.usage))
 
     async def disconnected() -> None:

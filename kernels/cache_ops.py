@@ -6,6 +6,9 @@ A layer's cache is `[2, num_blocks, block_size, kv_heads, head_dim]`: index 0 ho
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
 
@@ -27,10 +30,13 @@ def unpack_blocks(buffer: torch.Tensor, layer: torch.Tensor, block_ids: torch.Te
     layer.index_copy_(1, block_ids.long(), buffer)
 
 
-def _triton_on(t: torch.Tensor) -> bool:
-    import importlib.util
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
-    return t.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+def _triton_on(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" and _have_triton()
 
 
 def gather_blocks(layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

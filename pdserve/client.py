@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-import grpc
-
 from pdserve.grpc_server import open_channel
 from pdserve.security import TLSConfig
 from protos import common_pb2, generation_pb2, generation_pb2_grpc

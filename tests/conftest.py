@@ -46,6 +46,29 @@ def tiny_hf_model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    """The default model in transformers, fp32: the oracle every end-to-end test compares against."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from gateway.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir)
+
+
+EOS = 2  # the default model's end-of-sequence id
+
+
+def until_eos(tokens: list[int]) -> list[int]:
+    """`tokens` up to and including the first EOS: where a server that honours EOS stops."""
+    return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
+
+
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """Reference greedy decoding with `transformers` (KV cache on, EOS not special), one prompt at a time."""
     out: list[int] = []

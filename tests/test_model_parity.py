@@ -26,13 +26,6 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def prompts(model_dir) -> list[list[int]]:
     tok = Tokenizer(model_dir)
     chat = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in TEXTS[:4]]

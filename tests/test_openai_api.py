@@ -8,13 +8,11 @@ import json
 
 import aiohttp
 import pytest
-import torch
 
-from tests.conftest import hf_greedy
+from tests.conftest import EOS, hf_greedy, until_eos
 from tests.stack import scrape, start_stack
 
 pytestmark = pytest.mark.slow
-EOS = 2
 
 
 @pytest.fixture(scope="module")
@@ -22,24 +20,6 @@ def stack():
     s = start_stack(gateway_extra=["--api-key", "sesame"])
     yield s
     s.stop()
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from gateway.tokenizer import Tokenizer
-
-    return Tokenizer(model_dir)
-
-
-def _until_eos(tokens: list[int]) -> list[int]:
-    return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
 
 
 def _client(stack, key: str = "sesame"):
@@ -51,7 +31,7 @@ def _client(stack, key: str = "sesame"):
 async def test_official_client_gets_transformers_greedy_text(stack, hf_model, tokenizer):
     client = _client(stack)
     messages = [{"role": "user", "content": "Name three colours."}]
-    want_chat = _until_eos(hf_greedy(hf_model, tokenizer.apply_chat_template(messages), 20))
+    want_chat = until_eos(hf_greedy(hf_model, tokenizer.apply_chat_template(messages), 20))
     want_text = tokenizer.decode(want_chat)
     chat = await client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=20,
                                                 temperature=0)
@@ -71,7 +51,7 @@ async def test_official_client_gets_transformers_greedy_text(stack, hf_model, to
     assert "".join(pieces) == want_text and roles[0] == "assistant" and usage.completion_tokens == len(want_chat)
 
     prompt = "The capital of France is"
-    want = _until_eos(hf_greedy(hf_model, tokenizer.encode(prompt), 12))
+    want = until_eos(hf_greedy(hf_model, tokenizer.encode(prompt), 12))
     done = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12,
                                            temperature=0)
     assert done.choices[0].text == tokenizer.decode(want)

@@ -8,15 +8,13 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from pdserve.client import Client
-from tests.conftest import hf_greedy
+from tests.conftest import EOS, hf_greedy, until_eos
 from tests.stack import scrape, start_stack
 
 pytestmark = pytest.mark.slow
 
-EOS = 2
 WORDS = "the quick brown fox jumps over a lazy dog while seven curious owls watch from an old oak tree".split()
 
 
@@ -32,24 +30,6 @@ def stack():
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from gateway.tokenizer import Tokenizer
-
-    return Tokenizer(model_dir)
-
-
-def _until_eos(tokens: list[int]) -> list[int]:
-    return tokens[: tokens.index(EOS) + 1] if EOS in tokens else tokens
-
-
 async def test_concurrent_greedy_requests_match_transformers(stack, hf_model, tokenizer):
     n_tokens = 24
     texts = _texts(16, seed=3)
@@ -59,7 +39,7 @@ async def test_concurrent_greedy_requests_match_transformers(stack, hf_model, to
                                          for r in requests))
     for r, got in zip(requests, results):
         prompt_ids = (tokenizer.apply_chat_template(r["messages"]) if "messages" in r else tokenizer.encode(r["prompt"]))
-        want = _until_eos(hf_greedy(hf_model, prompt_ids, n_tokens))
+        want = until_eos(hf_greedy(hf_model, prompt_ids, n_tokens))
         assert got.token_ids == want
         assert got.text == tokenizer.decode(want)
         assert got.prompt_tokens == len(prompt_ids) and got.completion_tokens == len(want)

@@ -38,7 +38,7 @@ def _prefill_request(kv_address: str, rid: str = "direct") -> worker_pb2.Prefill
 
 
 def _fingerprint(stack) -> str:
-    from engine.config import EngineConfig, ModelConfig, parse_dtype
+    from engine.config import ModelConfig, parse_dtype
     from engine.kv_cache import plan_kv_cache
     from engine.model_store import resolve_model
 
@@ -172,7 +172,6 @@ async def test_decode_dials_only_prefill_workers_it_was_given():
 
 async def test_tls_everywhere_mutual_between_services_and_an_api_key(tmp_path):
     pki = make_pki(tmp_path, ["gateway", "prefill", "decode", "client"])
-    flags = lambda name: ["--tls-cert", pki[name][0], "--tls-key", pki[name][1], "--tls-ca", pki["ca"][0]]  # noqa
     me = TLSConfig(*pki["client"], pki["ca"][0])
     secured = start_stack(everyone=["--tls-cert", pki["gateway"][0], "--tls-key", pki["gateway"][1],
                                     "--tls-ca", pki["ca"][0]],
