@@ -88,6 +88,14 @@ class WorkerHandle:
             if h not in self.cached:
                 self.expected[h] = now
 
+    def polled(self, stats: worker_pb2.WorkerStats, inflight_tokens_before: int) -> None:
+        """The worker answered a poll sent when `inflight_tokens_before` of ours were in flight there. Its queue
+        holds ours as of some moment during the call, start or end: taking the larger errs toward others having
+        queued less, never toward a phantom queue that would push prompts off the worker caching them until
+        the next poll."""
+        self.stats = stats
+        self.inflight_tokens_at_poll = max(inflight_tokens_before, self.inflight_tokens)
+
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens waiting at this worker: this gateway's own (exact) plus other senders' (as last polled)."""
@@ -230,8 +238,8 @@ class Router:
         async def one(w: WorkerHandle) -> None:
             try:
                 mine = w.inflight_tokens
-                w.stats = await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=max(self.poll_interval, 1.0))
-                w.inflight_tokens_at_poll = min(mine, w.inflight_tokens)
+                w.polled(await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=max(self.poll_interval, 1.0)),
+                         mine)
                 if not w.healthy:
                     log.info("%s worker %s is up", w.role, w.address)
                 w.healthy = True
@@ -290,6 +298,9 @@ class Router:
 
         prefill = max(prefill_ok, key=score)
         uncached = max(0, len(prompt) - prefill.overlap(hashes, now) * block_size)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("prompt of %d tokens -> prefill %s (%d uncached); scores %s", len(prompt), prefill.address,
+                      uncached, {w.address: score(w) for w in prefill_ok})
         prefill.expect(hashes, now)  # it will hold them once it has run the prompt
         prefill.inflight += 1
         prefill.inflight_tokens += uncached

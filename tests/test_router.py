@@ -130,3 +130,23 @@ async def test_short_prompts_stay_on_the_decode_worker_while_it_keeps_up():
         assert router.pick(prompt=list(range(40)))[:2] == (d, p)
     finally:
         await router.close()
+
+
+async def test_a_prompt_routed_during_a_poll_leaves_no_phantom_queue():
+    """A poll's answer counts a prompt this gateway sent while the poll was in flight: the prompt is counted
+    once, and once it is answered the worker's queue is empty again, not held at its size until the next poll
+    (which would steer prompts away from the worker caching their prefix)."""
+    router = Router([f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"])
+    try:
+        for w in router.workers:
+            w.healthy = True
+            w.stats = worker_pb2.WorkerStats(kv_blocks_total=100, block_size=16)
+        (p,) = router.prefill
+        before = p.inflight_tokens  # the poll is sent
+        route = router.pick(prompt=list(range(408)))  # a prompt is routed while it is in flight
+        p.polled(worker_pb2.WorkerStats(kv_blocks_total=100, block_size=16, queued_tokens=408), before)
+        assert p.queued_tokens == 408
+        router.started(route)
+        assert p.queued_tokens == 0
+    finally:
+        await router.close()
