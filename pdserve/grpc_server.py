@@ -157,14 +157,21 @@ async def serve_until_signal(stop: Callable[[], Awaitable[None]], fatal: asyncio
     return 1 if failed else 0
 
 
+DEADLINE_SLACK_S = 1.0
+
+
 def records_cancellation(method: Callable) -> Callable:
     """For a servicer method: a call the client cancelled, or whose deadline passed, ends with CANCELLED or
     DEADLINE_EXCEEDED on its context, so the server span (OpenTelemetry's interceptor reads the context's code)
-    says so instead of OK. Works for unary and streaming handlers."""
+    says so instead of OK. Works for unary and streaming handlers.
+
+    The client's timer usually fires first and sends a plain cancel; the server started its own clock when it
+    read the headers, later, so it may still show time left. A cancel within `DEADLINE_SLACK_S` of the deadline
+    counts as the deadline passing."""
 
     def note(context: grpc.aio.ServicerContext) -> None:
         remaining = context.time_remaining()
-        passed = remaining is not None and remaining <= 0
+        passed = remaining is not None and remaining <= DEADLINE_SLACK_S
         try:
             context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED if passed else grpc.StatusCode.CANCELLED)
         except Exception:  # noqa: BLE001 - the call is gone; the span is all this is for

@@ -227,7 +227,7 @@ async def test_cancelled_and_timed_out_requests_say_so_on_their_server_spans(obs
             break  # the first token arrived: the request is decoding
         call.cancel()
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await client.complete(prompt="Write a long essay", max_tokens=400, ignore_eos=True, timeout=1.0,
+            await client.complete(prompt="Write a long essay", max_tokens=400, ignore_eos=True, timeout=3.0,
                                   request_id="obs-deadline")
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     stack.wait_idle()
