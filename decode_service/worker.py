@@ -35,6 +35,7 @@ from engine.sequence import Sequence
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.stats import TransferStats
 from kvtransfer.transports import make_transport
+from pdserve.deadline import deadline_passed
 from pdserve.logs import REQUEST_LOGGER, log_request
 from pdserve.tracing import extract, trace_id
 from pdserve.wire import PrefillJob, PrefillResult
@@ -232,9 +233,7 @@ class DecodeWorker:
             self.metrics.e2e.observe(time.perf_counter() - t0)
         except BaseException as e:
             if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
-                # a deadline, give or take the clock skew between caller and callee
-                status = "deadline_exceeded" if deadline is not None and time.monotonic() >= deadline - 0.1 \
-                    else "cancelled"
+                status = "deadline_exceeded" if deadline_passed(deadline) else "cancelled"
             else:
                 status = "error"
             raise

@@ -23,6 +23,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.router import NoWorkerAvailable, Route, Router, WorkerHandle
 from gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
 from gateway.tokenizer import Tokenizer
+from pdserve.deadline import deadline_passed
 from pdserve.logs import REQUEST_LOGGER, log_request
 from pdserve.tracing import trace_id
 from pdserve.failure import FAILED_ADDRESS, FAILED_PARTY, INVALID_PARAMETER
@@ -37,11 +38,6 @@ MAX_STOP_LENGTH = 256
 MAX_REQUEST_ID = 128
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_ABORT: "abort"}
-
-
-def deadline_passed(deadline: float | None) -> bool:
-    """Whether a cancellation is the deadline's (give or take the clock skew between caller and callee)."""
-    return deadline is not None and time.monotonic() >= deadline - 0.1
 
 
 class RequestError(Exception):

@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from pdserve.deadline import DEADLINE_SLACK_S
 from pdserve.security import TLSConfig
 
 log = logging.getLogger(__name__)
@@ -157,17 +158,10 @@ async def serve_until_signal(stop: Callable[[], Awaitable[None]], fatal: asyncio
     return 1 if failed else 0
 
 
-DEADLINE_SLACK_S = 1.0
-
-
 def records_cancellation(method: Callable) -> Callable:
     """For a servicer method: a call the client cancelled, or whose deadline passed, ends with CANCELLED or
     DEADLINE_EXCEEDED on its context, so the server span (OpenTelemetry's interceptor reads the context's code)
-    says so instead of OK. Works for unary and streaming handlers.
-
-    The client's timer usually fires first and sends a plain cancel; the server started its own clock when it
-    read the headers, later, so it may still show time left. A cancel within `DEADLINE_SLACK_S` of the deadline
-    counts as the deadline passing."""
+    says so instead of OK. Works for unary and streaming handlers."""
 
     def note(context: grpc.aio.ServicerContext) -> None:
         remaining = context.time_remaining()

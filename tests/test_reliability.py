@@ -124,7 +124,7 @@ async def test_deadlines_are_counted_as_deadlines(stack):
     before_gw, before_dec = scrape(stack.metrics["gateway"]), scrape(stack.metrics["decode"])
     async with Client(stack.gateway) as client:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await client.complete(prompt="Write a long essay", max_tokens=400, ignore_eos=True, timeout=1.0)
+            await client.complete(prompt="Write a long essay", max_tokens=400, ignore_eos=True, timeout=3.0)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     stack.wait_idle()
     key_gw = ("pdserve_gateway_requests_total", frozenset({("status", "DEADLINE_EXCEEDED"), ("finish_reason", "")}))
