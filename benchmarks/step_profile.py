@@ -1,6 +1,6 @@
 """Where one decode step's time goes: the engine's own step at a fixed batch and context, timed and profiled.
 
-    python -m benchmarks.step_profile --batch 32 --context 192 --dtype bfloat16 --threads 2
+    python -m benchmarks.step_profile --batch 32 --context 192 --dtype bfloat16 --threads 2 [--attention-backend torch]
 
 Fills the engine with `--batch` sequences whose prompts are `--context` tokens, then times `--steps` pure
 decode steps (schedule, forward, sample, update: what the serving loop runs) and prints the median step
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--rows", type=int, default=25, help="profiler table rows")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--attention-backend", default="auto", help="auto, cpu or torch on a CPU")
     args = ap.parse_args()
 
     from engine.config import EngineConfig
@@ -37,7 +38,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     engine = EngineCore(EngineConfig(model=str(resolve_model(None)), dtype=args.dtype, max_num_seqs=args.batch,
-                                     kv_cache_memory=1 << 30, max_num_batched_tokens=max(2048, args.context)))
+                                     kv_cache_memory=1 << 30, max_num_batched_tokens=max(2048, args.context),
+                                     attention_backend=args.attention_backend))
     rng = random.Random(0)
     params = SamplingParams(max_tokens=4096 - args.context, temperature=args.temperature, top_p=args.top_p,
                             ignore_eos=True, seed=1 if args.temperature else None)
@@ -54,7 +56,8 @@ def main() -> None:
         engine.step()
         times.append(time.perf_counter() - t0)
     step = statistics.median(times)
-    print(f"batch {args.batch}, context {args.context}, {args.dtype}, {args.threads} threads: "
+    print(f"batch {args.batch}, context {args.context}, {args.dtype}, {args.threads} threads, "
+          f"{engine.runner.backend.name} attention: "
           f"decode step {step * 1e3:.1f} ms median of {args.steps} ({args.batch / step:.0f} tok/s)")
     if args.no_profile:
         return

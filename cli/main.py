@@ -71,8 +71,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch threads for this worker")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash-attn", "triton", "torch"],
-                   help="auto: flash-attn > triton > torch, by what the device supports (logged at start-up)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "flash-attn", "triton", "cpu", "torch"],
+                   help="auto: flash-attn > triton > torch on a GPU, cpu > torch on a CPU, by what the "
+                        "machine supports (logged at start-up)")
     p.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto: where the weights and the KV cache live "
                                                    "(KV between workers is staged through host memory)")
     p.add_argument("--kv-transport", default=os.environ.get("PDSERVE_KV_TRANSPORT", "ucx"), choices=["ucx", "tcp"])

@@ -5,12 +5,15 @@ tokens side by side, each described by where its queries start, how long its con
 Every backend reads the same cache layout, a layer's `[2, num_blocks, block_size, kv_heads, head_dim]`, so
 switching backends never copies the cache:
 
-- `torch`: plain torch (`kernels.paged_attention`), runs anywhere; the CPU path and the oracle.
+- `torch`: plain torch (`kernels.paged_attention`), runs anywhere; the oracle.
+- `cpu`: torch for prompt rows, and for single-token rows the C kernel that reads the blocks in place
+  (`kernels.cpu_paged_attention`, built with the machine's C compiler on first use).
 - `triton`: the Triton paged-decode kernel for single-token rows, torch SDPA for prompt rows.
 - `flash-attn`: `flash_attn_varlen_func` over the paged cache for mixed batches and `flash_attn_with_kvcache`
   for pure decode batches (flash-attn's paged mode wants blocks of a multiple of 256 tokens).
 
-`select_backend("auto")` takes flash-attn > Triton > torch, by what the device and install support.
+`select_backend("auto")` takes flash-attn > Triton > torch on a GPU, and cpu > torch on a CPU, by what the device
+and install support.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from typing import Protocol
 
 import torch
 
+from engine.model_store import cache_dir
+from kernels import cpu_paged_attention
 from kernels.cache_ops import store_kv
 from kernels.paged_attention import decode_attention, decode_mask, prefill_attention
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "flash-attn", "triton", "torch")
+BACKENDS = ("auto", "flash-attn", "triton", "cpu", "torch")
 FLASH_BLOCK_MULTIPLE = 256
 
 
@@ -58,6 +63,7 @@ class _StepTensors:
         self.prefill_rows: list[int] = []
         self.decode_tokens: torch.Tensor | None = None
         self.decode_lens: torch.Tensor | None = None
+        self.decode_max_len = 0
         self.decode_tables: torch.Tensor | None = None  # [decode rows, blocks the longest of them needs]
         self.decode_mask: torch.Tensor | None = None
         self.seq_lens: torch.Tensor | None = None
@@ -75,7 +81,8 @@ class _StepTensors:
         rows = self.decode_rows
         if rows:
             lens = [meta.seq_lens[i] for i in rows]
-            n_blocks = -(-max(lens) // block_size)
+            self.decode_max_len = max(lens)
+            n_blocks = -(-self.decode_max_len // block_size)
             self.decode_tokens = torch.tensor([qsl[i] for i in rows], dtype=torch.long, device=device)
             self.decode_lens = torch.tensor(lens, dtype=torch.int32, device=device)
             tables = meta.block_tables if len(rows) == n else meta.block_tables[rows]
@@ -99,14 +106,32 @@ class TorchAttention:
         store_kv(k, v, kv_layer, meta.slot_mapping)
         step = self._step.update(meta, q.device, kv_layer.shape[2])
         if not step.prefill_rows:  # a pure decode step: every row is one token, in order
-            return decode_attention(q, kv_layer[0], kv_layer[1], step.decode_tables, step.decode_mask, scale)
+            return self._decode(q, kv_layer, step, scale)
         out = torch.empty_like(q)
         prefill_attention(q, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, step.prefill_rows,
                           scale, out)
         if step.decode_rows:
-            out[step.decode_tokens] = decode_attention(q[step.decode_tokens], kv_layer[0], kv_layer[1],
-                                                       step.decode_tables, step.decode_mask, scale)
+            out[step.decode_tokens] = self._decode(q[step.decode_tokens], kv_layer, step, scale)
         return out
+
+    def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, step: _StepTensors, scale: float) -> torch.Tensor:
+        return decode_attention(q, kv_layer[0], kv_layer[1], step.decode_tables, step.decode_mask, scale)
+
+
+class CpuAttention(TorchAttention):
+    """The torch backend, with single-token rows through the C kernel that reads the paged cache in place."""
+
+    name = "cpu"
+
+    def __init__(self, kernel: cpu_paged_attention.CpuPagedAttention) -> None:
+        super().__init__()
+        self._kernel = kernel
+
+    def _decode(self, q, kv_layer, step, scale):
+        if not self._kernel.supports(q, kv_layer[0]):  # e.g. float16: the torch path
+            return super()._decode(q, kv_layer, step, scale)
+        return self._kernel.decode(q, kv_layer[0], kv_layer[1], step.decode_tables, step.decode_lens,
+                                   step.decode_max_len, scale)
 
 
 class TritonAttention:
@@ -172,6 +197,8 @@ def available_backends(device: torch.device, block_size: int, dtype: torch.dtype
         have.append("flash-attn")
     if _has("triton") and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         have.append("triton")
+    if device.type == "cpu":
+        have.append("cpu")  # if a C compiler builds it: `select_backend` finds out
     have.append("torch")
     return have
 
@@ -183,15 +210,25 @@ def select_backend(name: str = "auto", device: torch.device | None = None, block
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r}: choose from {', '.join(BACKENDS)}")
     have = available_backends(device, block_size, dtype)
-    if name == "auto":
-        # On CPU the Triton interpreter is a test vehicle, never a speed-up: auto keeps torch there.
-        name = have[0] if device.type == "cuda" else "torch"
+    auto = name == "auto"
+    if auto:
+        # On CPU the Triton interpreter is a test vehicle, never a speed-up: auto takes the C kernel there.
+        name = have[0] if device.type == "cuda" else "cpu"
     elif name not in have:
         why = {"flash-attn": f"needs CUDA, the flash-attn package, float16 or bfloat16 and a block size that is a "
                              f"multiple of {FLASH_BLOCK_MULTIPLE} (have {device.type}, {dtype}, block size "
                              f"{block_size})",
-               "triton": "needs the triton package and CUDA (or TRITON_INTERPRET=1 on CPU)"}[name]
+               "triton": "needs the triton package and CUDA (or TRITON_INTERPRET=1 on CPU)",
+               "cpu": f"runs on a CPU device (have {device.type})"}[name]
         raise ValueError(f"attention backend {name!r} is not available here: it {why}")
-    backend = {"flash-attn": FlashAttention, "triton": TritonAttention, "torch": TorchAttention}[name]()
+    backend: AttentionBackend
+    if name == "cpu":
+        kernel = cpu_paged_attention.load(cache_dir() / "kernels")
+        if kernel is None and not auto:
+            raise ValueError("attention backend 'cpu' is not available here: it needs a C compiler (cc) that "
+                             "builds kernels/cpu_paged_attention.c (the log says why it did not)")
+        backend = CpuAttention(kernel) if kernel is not None else TorchAttention()
+    else:
+        backend = {"flash-attn": FlashAttention, "triton": TritonAttention, "torch": TorchAttention}[name]()
     log.info("attention backend: %s (available here: %s)", backend.name, ", ".join(have))
     return backend

@@ -110,8 +110,8 @@ def test_backend_selection_on_cpu():
     from engine.attention import available_backends, select_backend
 
     cpu = torch.device("cpu")
-    assert select_backend("auto", cpu).name == "torch"  # the interpreter is never picked for speed
-    assert available_backends(cpu, 16) == ["triton", "torch"]  # TRITON_INTERPRET=1 (conftest)
+    assert select_backend("auto", cpu).name == "cpu"  # the interpreter is never picked for speed
+    assert available_backends(cpu, 16) == ["triton", "cpu", "torch"]  # TRITON_INTERPRET=1 (conftest)
     assert select_backend("triton", cpu).name == "triton"
     with pytest.raises(ValueError, match="flash-attn"):
         select_backend("flash-attn", cpu)
