@@ -88,8 +88,9 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         n = len(params)
         if all(_is_greedy(p) and not p.has_penalties and p.logprobs is None and p.min_tokens == 0 for p in params):
-            tokens = logits.argmax(-1).tolist()
-            bad = self._nonfinite_rows(logits)
+            exact = logits.float()  # bf16 -> fp32 is exact; argmax over bf16 on CPU measured 5x slower than both
+            tokens = exact.argmax(-1).tolist()
+            bad = self._nonfinite_rows(exact)
             return [SamplingError("the model's logits are not finite") if i in bad else SampleOutput(t)
                     for i, t in enumerate(tokens)]
         raw = logits.float()
