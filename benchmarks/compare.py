@@ -98,13 +98,15 @@ class Runner:
               f"p99 {metrics['itl_ms']['percentiles']['p99']:6.1f} ms  failed {metrics['failed']}", flush=True)
 
     def sweep(self, system: str, target, label_extra: dict | None = None, concurrency: list[int] | None = None,
-              temperature: float = 0.0, top_p: float = 1.0) -> None:
+              temperature: float = 0.0, top_p: float = 1.0, prompts: int = 0) -> None:
+        """`prompts` picks the prompt set: a row that runs after another on the same server takes its own, or
+        a server with a prefix cache would skip prefilling what it already saw and look faster than it is."""
         for c in concurrency or self.args.concurrency:
             n = self.args.c1_requests if c == 1 else self.args.num_requests
-            reqs = self.requests(n, seed=c)
+            reqs = self.requests(n, seed=c + 10_000 * prompts)
             for r in reqs:
                 r.temperature, r.top_p = temperature, top_p
-            warm = self.requests(2, seed=1000 + c)
+            warm = self.requests(2, seed=1000 + c + 10_000 * prompts)
             for w in warm:
                 w.output_len = 8
             results, duration, peak = asyncio.run(_load(target, reqs, c, warm))
@@ -114,7 +116,7 @@ class Runner:
     def sampled(self, system: str, target) -> None:
         """The top concurrency again with temperature 0.8 and top_p 0.95: what sampling costs."""
         self.sweep(system + " (sampled)", target, {"sampling": "temperature 0.8, top_p 0.95"},
-                   [max(self.args.concurrency)], temperature=0.8, top_p=0.95)
+                   [max(self.args.concurrency)], temperature=0.8, top_p=0.95, prompts=1)
 
     def mixed(self, system: str, target) -> None:
         """Long and short prompts together: what disaggregation is for (decode ITL shielded from prefills)."""
@@ -176,7 +178,7 @@ class Runner:
             top = [max(self.args.concurrency)]
             self.sampled(name, lambda: GrpcTarget(address))
             if colocated:  # the same engine behind the OpenAI-compatible HTTP front door
-                self.sweep(name + " (http)", lambda: OpenAITarget(f"http://127.0.0.1:{http}", ""), {}, top)
+                self.sweep(name + " (http)", lambda: OpenAITarget(f"http://127.0.0.1:{http}", ""), {}, top, prompts=2)
             if self.args.mixed_requests:
                 self.mixed(name, lambda: GrpcTarget(address))
         finally:
