@@ -63,7 +63,7 @@ async def test_prefixes_follow_the_worker_that_caches_them():
         again = subprocess.Popen(proc.args, env=service_env())
         stack.procs.append(again)
         wait_serving(restart, again)
-        # settles again: a round where every prefix hits (a poll that lands mid-round may send one prefix away once)
+        # settles again: a round where every prefix hits (the first rounds after the restart may miss)
         async with Client(stack.gateway) as client:
             more = [await _round(client, prefixes, rng)]
             while sum(r.cached_prompt_tokens for r in more[-1]) < reusable * 3 and len(more) < 8:
