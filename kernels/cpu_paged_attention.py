@@ -79,36 +79,37 @@ def _cpu_id() -> str:
     return f"{platform.machine()} {flags}"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, target: Path, defines: tuple[str, ...]) -> None:
     """Compile into a temporary file next to `target`, then rename: processes starting together never load a
     half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
-                       timeout=300)
+        subprocess.run([compiler, *FLAGS, *(f"-D{d}" for d in defines), str(SOURCE), "-o", tmp], check=True,
+                       capture_output=True, text=True, timeout=300)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def load(cache_dir: Path) -> CpuPagedAttention | None:
+def load(cache_dir: Path, defines: tuple[str, ...] = ()) -> CpuPagedAttention | None:
     """The kernel, built into `cache_dir` on first use (or into the temp directory where that is read-only);
-    None, with the reason logged, where there is no C compiler or it fails."""
+    None, with the reason logged, where there is no C compiler or it fails. `defines` are preprocessor symbols
+    (`CPU_ATTENTION_PORTABLE` builds the plain-C loops even where AVX-512 is available)."""
     wanted = os.environ.get("CC")
     compiler = shutil.which(wanted) if wanted else shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("no C compiler (%s): CPU decode attention stays on the torch path", wanted or "cc")
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), compiler, _cpu_id()]).encode())
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), *defines, compiler, _cpu_id()]).encode())
     name = f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
     for root in (cache_dir, Path(tempfile.gettempdir()) / "pdserve-kernels"):
         path = root / name
         try:
             if not path.exists():
-                _build(compiler, path)
+                _build(compiler, path, defines)
             return CpuPagedAttention(ctypes.CDLL(str(path)), path)
         except subprocess.CalledProcessError as e:
             log.warning("building the CPU attention kernel failed; staying on the torch path:\n%s", e.stderr)

@@ -10,9 +10,11 @@ from kernels import cpu_paged_attention
 from kernels.paged_attention import decode_attention, decode_mask
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory) -> cpu_paged_attention.CpuPagedAttention:
-    built = cpu_paged_attention.load(tmp_path_factory.mktemp("kernels"))
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernel(request, tmp_path_factory) -> cpu_paged_attention.CpuPagedAttention:
+    """Both builds: the SIMD one this machine gets (AVX-512 where it has it) and the plain-C loops."""
+    defines = ("CPU_ATTENTION_PORTABLE",) if request.param == "portable" else ()
+    built = cpu_paged_attention.load(tmp_path_factory.mktemp("kernels"), defines)
     assert built is not None, "this machine has gcc: the kernel must build"
     return built
 
