@@ -123,28 +123,31 @@ class EngineLoop:
                 self.on_fatal(e)
 
     async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
+        """Schedule, run the forward on the model thread, account; then start the next forward before handing
+        this step's tokens to their sinks, so streaming them out overlaps the next step's compute."""
         core = self.core
+        step = self._launch(core.schedule())
         while not self._closing:
-            batch = core.schedule()
-            if not batch.seqs:
+            if step is None:
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                step = self._launch(core.schedule())
                 continue
-            hook = self.layer_hooks(batch) if self.layer_hooks is not None else None
-            start = time.perf_counter()
+            batch, start, future = step
             try:
-                samples = await loop.run_in_executor(self._executor, core.execute, batch, hook)
+                samples = await future
             except Exception as e:  # noqa: BLE001 - a failed forward fails the requests in it, not the worker
                 log.exception("%s step failed; failing its %d requests", self.name, len(batch.seqs))
                 for seq in core.fail(batch):
                     self._deliver(seq, e)
                 self.blocks_freed()
+                step = self._launch(core.schedule())
                 continue
             free_before = core.allocator.num_free_blocks
             outputs = core.update(batch, samples)
             if self.on_step is not None:
                 self.on_step(batch, time.perf_counter() - start)
+            step = self._launch(core.schedule())
             for out in outputs:
                 sink = self._sinks.pop(out.seq, None) if out.finished else self._sinks.get(out.seq)
                 if sink is not None:
@@ -152,6 +155,16 @@ class EngineLoop:
             if core.allocator.num_free_blocks > free_before:
                 self.blocks_freed()
             await asyncio.sleep(0)  # let RPC handlers and transfers run between steps
+            if step is None and core.has_work:  # sinks and handlers may have freed blocks or added requests
+                step = self._launch(core.schedule())
+
+    def _launch(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, float, asyncio.Future] | None:
+        """Start `batch`'s forward and sampling on the model thread; None for an empty batch."""
+        if not batch.seqs:
+            return None
+        hook = self.layer_hooks(batch) if self.layer_hooks is not None else None
+        future = asyncio.get_running_loop().run_in_executor(self._executor, self.core.execute, batch, hook)
+        return batch, time.perf_counter(), future
 
     def _deliver(self, seq: Sequence, error: BaseException) -> None:
         sink = self._sinks.pop(seq, None)
