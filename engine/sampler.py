@@ -206,7 +206,7 @@ def _draw_nucleus(z: torch.Tensor, params: list[SamplingParams], uniforms: _Unif
     probs = z.softmax(-1)
     top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=probs.device)
     min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
-    weights = probs * (probs >= min_p[:, None] * probs.max(-1, keepdim=True).values)
+    weights = probs * (probs >= min_p[:, None] * probs.amax(-1, keepdim=True)) if bool((min_p > 0).any()) else probs
     chosen = torch.empty(len(params), dtype=torch.long, device=probs.device)
     floor = torch.zeros(len(params), dtype=probs.dtype, device=probs.device)
     active = list(range(len(params)))
@@ -233,16 +233,43 @@ def _draw_nucleus(z: torch.Tensor, params: list[SamplingParams], uniforms: _Unif
     return chosen
 
 
+CDF_CHUNK = 256
+
+
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Column index of each row's draw from the unnormalised `weights` `[R, V]` with uniforms `u` `[R]`."""
-    cdf = weights.cumsum(-1)
-    pick = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous(), right=True)
-    pick.clamp_(max=weights.shape[-1] - 1)
-    empty = weights.gather(1, pick) == 0  # u * total rounded up to total: take the last token with weight
+    """Column index of each row's draw from the unnormalised `weights` `[R, V]` with uniforms `u` `[R]`.
+
+    In two levels over a large vocabulary: the cumulative sums of chunk totals pick the chunk, then one chunk's
+    cumulative sum picks the token (a full-row cumsum was most of a sampled step's cost)."""
+    rows, vocab = weights.shape
+    n_full = vocab // CDF_CHUNK
+    if n_full < 4:
+        cdf = weights.cumsum(-1)
+        pick = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous(), right=True)
+        return _nonzero_pick(weights, pick.clamp_(max=vocab - 1)).squeeze(1)
+    sums = weights[:, : n_full * CDF_CHUNK].reshape(rows, n_full, CDF_CHUNK).sum(-1)
+    if n_full * CDF_CHUNK < vocab:
+        sums = torch.cat([sums, weights[:, n_full * CDF_CHUNK:].sum(-1, keepdim=True)], 1)
+    coarse = sums.cumsum(-1)
+    target = (u[:, None] * coarse[:, -1:]).contiguous()
+    chunk = torch.searchsorted(coarse, target, right=True).clamp_(max=coarse.shape[1] - 1)
+    base = torch.where(chunk > 0, coarse.gather(1, (chunk - 1).clamp(min=0)), 0.0)
+    cols = chunk * CDF_CHUNK + torch.arange(CDF_CHUNK, device=weights.device)
+    local = weights.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(cols >= vocab, 0.0)
+    pick = torch.searchsorted(base + local.cumsum(-1), target, right=True).clamp_(max=CDF_CHUNK - 1)
+    return _nonzero_pick(weights, (chunk * CDF_CHUNK + pick).clamp_(max=vocab - 1)).squeeze(1)
+
+
+def _nonzero_pick(weights: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
+    """`pick` `[R, 1]`, moved off a zero-weight token (where rounding left a target at the very end of a sum)
+    to the nearest token with weight before it, or else after it."""
+    empty = weights.gather(1, pick) == 0
     if bool(empty.any()):
         for row in torch.nonzero(empty[:, 0]).flatten().tolist():
-            pick[row, 0] = torch.nonzero(weights[row]).max()
-    return pick.squeeze(1)
+            have = torch.nonzero(weights[row]).flatten()
+            before = have[have <= pick[row, 0]]
+            pick[row, 0] = before.max() if before.numel() else have.min()
+    return pick
 
 
 def _draw_ranked(z: torch.Tensor, params: list[SamplingParams], u: torch.Tensor, k: int) -> torch.Tensor:

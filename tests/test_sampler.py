@@ -163,3 +163,25 @@ def test_tiny_temperature_is_greedy_and_bad_rows_fail_alone():
 def test_non_finite_or_negative_temperature_is_invalid(value):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=value).validate()
+
+
+def test_two_level_inverse_cdf_matches_one_cumsum_and_skips_zero_weights():
+    """A vocabulary of many chunks plus a ragged tail, weight only on a few tokens (chunk edges, the tail):
+    the chunked draw picks what one cumulative sum over the row picks, and never a zero-weight token."""
+    from engine.sampler import CDF_CHUNK, _inverse_cdf
+
+    vocab = 11 * CDF_CHUNK + 37
+    weights = torch.zeros(3, vocab)
+    heavy = [0, CDF_CHUNK - 1, CDF_CHUNK, 5 * CDF_CHUNK + 17, vocab - 1]
+    weights[0, heavy] = torch.tensor([0.1, 0.3, 0.2, 0.25, 0.15])
+    weights[1] = torch.rand(vocab, generator=torch.Generator().manual_seed(0))
+    weights[2, vocab - 5] = 2.0
+    for u in (0.0, 0.05, 0.1, 0.35, 0.5, 0.61, 0.9, 0.999999, 1.0 - 2 ** -24):
+        us = torch.full((3,), u)
+        got = _inverse_cdf(weights, us)
+        cdf = weights.cumsum(-1)
+        want = torch.searchsorted(cdf, (us[:, None] * cdf[:, -1:]).contiguous(), right=True).squeeze(1)
+        assert (weights.gather(1, got[:, None]) > 0).all(), u
+        assert got[0].item() in heavy and got[2].item() == vocab - 5
+        assert torch.equal(got[:1], want[:1].clamp(max=vocab - 1)), u
+        assert abs(got[1].item() - want[1].item()) <= 1, u  # sums in a different order may move a boundary
