@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import AttentionMetadata, select_backend
 from engine.config import EngineConfig, ModelConfig, parse_dtype
+from engine.host_memory import keep_freed_memory
 from engine.kv_cache import plan_kv_cache
 from engine.model import LlamaForCausalLM, load_model
 from engine.model_store import resolve_model
@@ -55,6 +56,8 @@ class ModelRunner:
             model = load_model(resolve_model(cfg.model), dtype)
         device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                               "cpu" if cfg.device == "auto" else cfg.device)
+        if device.type == "cpu":
+            keep_freed_memory()
         model = model.to(device)
         packed = pack_linears(model)
         if packed:
