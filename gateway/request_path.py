@@ -221,7 +221,7 @@ class RequestPath:
         timeout = None if req.deadline is None else max(0.0, req.deadline - time.monotonic())
         decode.inflight += 1
         self.metrics.prefill_routes.labels("remote" if prefill is not None else "local").inc()
-        prefill_pending = prefill is not None
+        prefill_pending = True  # until the first token, the prompt counts as queued where it is prefilled
         call = decode.stub.Decode(
             worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=prompt_ids, sampling=req.sampling,
                                      prefill_address=prefill.address if prefill else ""), timeout=timeout)

@@ -44,7 +44,7 @@ class NoWorkerAvailable(RuntimeError):
 class Route(NamedTuple):
     decode: "WorkerHandle"
     prefill: "WorkerHandle | None"  # None: the decode worker prefills the prompt itself
-    queued_tokens: int = 0  # the prompt's uncached tokens, counted at the prefill worker until it answers
+    queued_tokens: int = 0  # the prompt's tokens still to prefill, counted where they queue until the first token
 
 
 @dataclass
@@ -56,7 +56,7 @@ class WorkerHandle:
     healthy: bool = False
     stats: worker_pb2.WorkerStats = field(default_factory=worker_pb2.WorkerStats)
     inflight: int = 0  # requests this gateway sent that have not answered yet
-    inflight_tokens: int = 0  # their prompt tokens (prefill workers)
+    inflight_tokens: int = 0  # their prompt tokens not prefilled yet (prefill workers; decode workers' own prefills)
     inflight_tokens_at_poll: int = 0  # inflight_tokens when `stats` was taken: already inside its queued_tokens
     cached: set[int] = field(default_factory=set)  # prefill workers: block hashes their cache reported
     expected: dict[int, float] = field(default_factory=dict)  # hashes of prompts routed here -> when (not reported yet)
@@ -281,10 +281,12 @@ class Router:
             raise NoWorkerAvailable("no healthy decode worker")
         decode = min(decode_ok, key=lambda w: w.decode_score)
         limit = decode.stats.local_prefill_max_tokens
-        if self.colocated or (prompt and 0 < len(prompt) <= limit and decode.stats.queued_tokens < 4 * limit):
-            if not self.colocated:
-                self.local_prefills += 1
+        if self.colocated:
             return Route(decode, None)
+        if prompt and 0 < len(prompt) <= limit and decode.queued_tokens < 4 * limit:
+            self.local_prefills += 1
+            decode.inflight_tokens += len(prompt)  # a burst sees its own backlog, not the last poll's
+            return Route(decode, None, len(prompt))
         prefill_ok = [w for w in self.prefill if w.healthy and w.address not in exclude]
         if not prefill_ok:
             raise NoWorkerAvailable("no healthy prefill worker")
@@ -308,10 +310,13 @@ class Router:
 
     @staticmethod
     def started(route: Route) -> None:
-        """The prefill worker of `route` has answered (or failed): its work no longer counts as queued there."""
+        """The prefill of `route` has answered (or failed): its work no longer counts as queued there (at the
+        prefill worker, or at the decode worker prefilling it itself)."""
         if route.prefill is not None:
             route.prefill.inflight -= 1
             route.prefill.inflight_tokens -= route.queued_tokens
+        else:
+            route.decode.inflight_tokens -= route.queued_tokens
 
     def mark_down(self, address: str) -> None:
         for w in self.workers:

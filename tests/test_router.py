@@ -132,6 +132,26 @@ async def test_short_prompts_stay_on_the_decode_worker_while_it_keeps_up():
         await router.close()
 
 
+async def test_a_burst_of_short_prompts_sees_its_own_backlog_on_the_decode_worker():
+    """Between two polls, short prompts stay local only until those already sent there fill the backlog
+    allowance; once their first tokens come back, local prefill opens again."""
+    router = Router([f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"])
+    try:
+        for w in router.workers:
+            w.healthy = True
+            w.stats = worker_pb2.WorkerStats(kv_blocks_total=100, block_size=16, local_prefill_max_tokens=64)
+        (d,), (p,) = router.decode, router.prefill
+        routes = [router.pick(prompt=list(range(i, i + 64))) for i in range(6)]
+        assert [r.prefill for r in routes] == [None] * 4 + [p, p]  # 4 x 64 tokens = the allowance
+        assert d.queued_tokens == 256
+        for r in routes:
+            router.started(r)
+        assert d.queued_tokens == 0 and p.queued_tokens == 0
+        assert router.pick(prompt=list(range(64))).prefill is None
+    finally:
+        await router.close()
+
+
 async def test_a_prompt_routed_during_a_poll_leaves_no_phantom_queue():
     """A poll's answer counts a prompt this gateway sent while the poll was in flight: the prompt is counted
     once, and once it is answered the worker's queue is empty again, not held at its size until the next poll
