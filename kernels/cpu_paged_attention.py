@@ -2,29 +2,20 @@
 
 Gathering each sequence's blocks into a padded batch and then running SDPA moves the whole context three times
 per layer (read, write, read again); this kernel reads it once, in place, one group of query heads per K/V row.
-It is plain C with OpenMP, so building it needs only `cc` (no torch headers, about a second); the library is
-cached under the cache directory by a hash of its source, the flags and this CPU, and built for this CPU
-(`-march=native`). Without a C compiler, `load` returns None and the caller keeps the torch path.
+Built with the machine's C compiler on first use and cached (`kernels.c_build`); without a compiler, `load`
+returns None and the caller keeps the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from kernels import c_build
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 MAX_HEAD_DIM, MAX_GROUP, LANES = 256, 16, 16
 _FUNCTIONS = {torch.float32: "decode_attention_f32", torch.bfloat16: "decode_attention_bf16"}
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -69,52 +60,8 @@ class CpuPagedAttention:
         return out
 
 
-def _cpu_id() -> str:
-    """What `-march=native` compiles for: the machine and its CPU flags."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
-                     "")
-    except OSError:
-        flags = ""
-    return f"{platform.machine()} {flags}"
-
-
-def _build(compiler: str, target: Path, defines: tuple[str, ...]) -> None:
-    """Compile into a temporary file next to `target`, then rename: processes starting together never load a
-    half-written library."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, *(f"-D{d}" for d in defines), str(SOURCE), "-o", tmp], check=True,
-                       capture_output=True, text=True, timeout=300)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def load(cache_dir: Path, defines: tuple[str, ...] = ()) -> CpuPagedAttention | None:
-    """The kernel, built into `cache_dir` on first use (or into the temp directory where that is read-only);
-    None, with the reason logged, where there is no C compiler or it fails. `defines` are preprocessor symbols
-    (`CPU_ATTENTION_PORTABLE` builds the plain-C loops even where AVX-512 is available)."""
-    wanted = os.environ.get("CC")
-    compiler = shutil.which(wanted) if wanted else shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.info("no C compiler (%s): CPU decode attention stays on the torch path", wanted or "cc")
-        return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), *defines, compiler, _cpu_id()]).encode())
-    name = f"cpu_paged_attention-{key.hexdigest()[:16]}.so"
-    for root in (cache_dir, Path(tempfile.gettempdir()) / "pdserve-kernels"):
-        path = root / name
-        try:
-            if not path.exists():
-                _build(compiler, path, defines)
-            return CpuPagedAttention(ctypes.CDLL(str(path)), path)
-        except subprocess.CalledProcessError as e:
-            log.warning("building the CPU attention kernel failed; staying on the torch path:\n%s", e.stderr)
-            return None
-        except (OSError, subprocess.SubprocessError) as e:
-            log.info("CPU attention kernel in %s: %s", root, e)
-    log.warning("no writable place to build the CPU attention kernel; staying on the torch path")
-    return None
+    """The kernel, built into `cache_dir` on first use (`kernels.c_build`); None where it cannot be built.
+    `CPU_ATTENTION_PORTABLE` in `defines` builds the plain-C loops even where AVX-512 is available."""
+    lib = c_build.build(SOURCE, cache_dir, defines)
+    return CpuPagedAttention(lib, Path(lib._name)) if lib is not None else None
