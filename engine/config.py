@@ -98,3 +98,4 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto, flash-attn, triton, torch
     device: str = "cpu"  # cpu, cuda, cuda:N, or auto (cuda when present)
     num_threads: int | None = None
+    fused_elementwise: bool = True  # bf16 on CPU: RMSNorm, rope, SiLU-and-mul as one-pass C kernels (False: torch)

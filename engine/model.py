@@ -7,16 +7,19 @@ fused into one matmul each at load time.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.nn import functional as F
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from kernels.cpu_elementwise import silu_and_mul
 from kernels.rms_norm import rms_norm
 from kernels.rotary import apply_rope, rope_cache, rope_for_positions
+
+Op = Callable[..., torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -24,9 +27,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.op: Op = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return self.op(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -38,11 +42,12 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
+        self.rope_op: Op = apply_rope
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
+        qk = self.rope_op(qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
                                                                   self.head_dim), *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
@@ -55,10 +60,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_op: Op = silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_op(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -104,6 +109,17 @@ class LlamaForCausalLM(nn.Module):
             if layer_hook is not None:
                 layer_hook(i)
         return self.model.norm(x)
+
+    def use_ops(self, rms_norm_op: Op, rope_op: Op, act_op: Op) -> None:
+        """Run the element-wise steps with these (same signatures as `rms_norm`, `apply_rope`, `silu_and_mul`;
+        the rope op may work in place)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.op = rms_norm_op
+            elif isinstance(module, Attention):
+                module.rope_op = rope_op
+            elif isinstance(module, MLP):
+                module.act_op = act_op
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model's dtype: the sampler converts what it needs (greedy decoding takes the argmax as is)."""

@@ -16,9 +16,10 @@ from engine.config import EngineConfig, ModelConfig, parse_dtype
 from engine.host_memory import keep_freed_memory
 from engine.kv_cache import plan_kv_cache
 from engine.model import LlamaForCausalLM, load_model
-from engine.model_store import resolve_model
+from engine.model_store import cache_dir, resolve_model
 from engine.sampler import SampleOutput, Sampler, SamplingError
 from engine.scheduler import ScheduledBatch
+from kernels import cpu_elementwise
 from kernels.kv_layout import KVLayout
 from kernels.packed_linear import pack_linears
 
@@ -62,6 +63,11 @@ class ModelRunner:
         packed = pack_linears(model)
         if packed:
             log.info("packed %d linear weights for this CPU", packed)
+        if device.type == "cpu" and dtype == torch.bfloat16 and cfg.fused_elementwise:
+            ops = cpu_elementwise.load(cache_dir() / "kernels")
+            if ops is not None:
+                model.use_ops(ops.rms_norm, ops.apply_rope, ops.silu_and_mul)
+                log.info("element-wise steps: one-pass C kernels (%s)", cpu_elementwise.SOURCE.name)
         layout = plan_kv_cache(model.config, dtype, cfg.block_size, cfg.kv_cache_memory, cfg.num_blocks, device.type)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", layout.num_blocks, layout.block_size,
                  layout.num_blocks * layout.block_nbytes / 2**20)

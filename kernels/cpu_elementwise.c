@@ -1,0 +1,122 @@
+/* The element-wise steps between a decoder layer's matrix products, one pass each, for bfloat16 on CPU.
+ *
+ * In eager torch an RMSNorm is seven operators, a rotary embedding five and SiLU-and-multiply three, each reading
+ * and writing the whole activation (and, in a decode step of a small model, costing more to dispatch than to
+ * compute). Each function here does one pass over rows, parallel over rows with OpenMP. Every bfloat16 rounding
+ * the eager code makes is made here too, at the same point, to nearest even, so rotary embeddings are bit for bit
+ * the same as eager; RMSNorm's sum of squares and SiLU's exp are computed in fp32 in another order and with
+ * another exp, which can move a result by one bfloat16 step, rarely.
+ * Built and loaded by kernels/cpu_elementwise.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+#define PAR_MIN_ELEMS 32768 /* fewer elements than this: one thread (a team costs more than the work) */
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* exp(x): x = n ln2 + r, a degree-7 polynomial for e^r, 2^n from the exponent bits; within 2 ulp of expf, and
+ * written so that gcc vectorizes loops calling it. Above 88 it overflows to infinity as expf does; below -87 it
+ * returns exp(-87) where expf goes subnormal (next to 1, as in SiLU, the same). */
+static inline float exp_f32(float x) {
+    float v = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    float k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = v - k * 0.693359375f + k * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float e = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return x > 88.0f ? INFINITY : e * scale;
+}
+
+/* out[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps)); x rows at stride x_stride, out contiguous [T, n] */
+int rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int T, int n, float eps,
+                  int threads) {
+    if (n % LANES) return 1;
+    const int team = (int64_t)T * n >= PAR_MIN_ELEMS ? threads : 1;
+#pragma omp parallel for num_threads(team) schedule(static)
+    for (int t = 0; t < T; t++) {
+        const uint16_t *xr = x + (int64_t)t * x_stride;
+        uint16_t *o = out + (int64_t)t * n;
+        float acc[LANES] = {0};
+        for (int i = 0; i < n; i += LANES)
+            for (int j = 0; j < LANES; j++) {
+                const float v = bf16_to_f32(xr[i + j]);
+                acc[j] += v * v;
+            }
+        float sum = 0.0f;
+        for (int j = 0; j < LANES; j++) sum += acc[j];
+        const float r = 1.0f / sqrtf(sum / (float)n + eps);
+        for (int i = 0; i < n; i++) o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(xr[i]) * r));
+    }
+    return 0;
+}
+
+/* out [T, inter] = bf16(bf16(silu(gate)) * up), gate and up the two halves of each row of gu (row stride gu_stride) */
+int silu_and_mul_bf16(const uint16_t *gu, int64_t gu_stride, uint16_t *out, int T, int inter, int threads) {
+    const int team = (int64_t)T * inter >= PAR_MIN_ELEMS ? threads : 1;
+#pragma omp parallel for num_threads(team) schedule(static)
+    for (int t = 0; t < T; t++) {
+        const uint16_t *g = gu + (int64_t)t * gu_stride, *u = g + inter;
+        uint16_t *o = out + (int64_t)t * inter;
+        for (int i = 0; i < inter; i++) {
+            const float a = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(round_bf16(a / (1.0f + exp_f32(-a))) * bf16_to_f32(u[i]));
+        }
+    }
+    return 0;
+}
+
+/* In place on x [T, heads, dim] (row stride x_stride, heads contiguous): x = bf16(bf16(x * cos) + bf16(rot(x) * sin)),
+ * rot(x) = (-x[half:], x[:half]); cos, sin [T, dim] (row strides cs_stride). */
+int rope_bf16(uint16_t *x, int64_t x_stride, const uint16_t *cos_, const uint16_t *sin_, int64_t cs_stride, int T,
+              int heads, int dim, int threads) {
+    if (dim % 2 || dim > 1024) return 1;
+    const int half = dim / 2;
+    const int team = (int64_t)T * heads * dim >= PAR_MIN_ELEMS ? threads : 1;
+#pragma omp parallel for num_threads(team) schedule(static)
+    for (int t = 0; t < T; t++) {
+        const uint16_t *c = cos_ + (int64_t)t * cs_stride, *s = sin_ + (int64_t)t * cs_stride;
+        float cf[1024], sf[1024];
+        for (int d = 0; d < dim; d++) {
+            cf[d] = bf16_to_f32(c[d]);
+            sf[d] = bf16_to_f32(s[d]);
+        }
+        for (int h = 0; h < heads; h++) {
+            uint16_t *xr = x + (int64_t)t * x_stride + (int64_t)h * dim;
+            float lo[512], hi[512];
+            for (int d = 0; d < half; d++) {
+                lo[d] = bf16_to_f32(xr[d]);
+                hi[d] = bf16_to_f32(xr[half + d]);
+            }
+            for (int d = 0; d < half; d++) {
+                xr[d] = f32_to_bf16(round_bf16(lo[d] * cf[d]) + round_bf16(-hi[d] * sf[d]));
+                xr[half + d] = f32_to_bf16(round_bf16(hi[d] * cf[half + d]) + round_bf16(lo[d] * sf[half + d]));
+            }
+        }
+    }
+    return 0;
+}
