@@ -221,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="comma-separated host:port list (DNS names allowed) of the prefill workers this "
                                 "worker may dial; empty: any the gateway names")
             _local_prefill_arg(w)
+            w.add_argument("--threads-while-prefilling", type=int, default=None,
+                           help="torch threads while a prefill worker computes prompts for this worker (default: "
+                                "--threads throughout); for a prefill worker on the same cores")
         if role != "prefill":
             w.add_argument("--max-queued", type=int, default=256,
                            help="requests that may wait for KV blocks before RESOURCE_EXHAUSTED")

@@ -136,7 +136,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
                                                    colocated=colocated, reflection=args.reflection, tls=tls,
                                                    allowed_prefill=allowed,
                                                    local_prefill_max_tokens=getattr(args, "local_prefill_max_tokens",
-                                                                                    0))
+                                                                                    0),
+                                                   threads_while_prefilling=getattr(args, "threads_while_prefilling",
+                                                                                    None))
         metrics = _metrics_server(args, worker.metrics.registry)
         print(f"pdserve {args.command} ready on {args.host}:{running.port}", flush=True)
 

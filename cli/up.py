@@ -165,6 +165,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         allowed = ["--prefill", ",".join(prefill)] if prefill else []
         if role == "decode":
             allowed += ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
+            if prefill_threads + decode_threads > cores:  # prefill runs on these cores too: make room for it
+                allowed += ["--threads-while-prefilling", str(max(1, decode_threads - prefill_threads))]
         workers_up += [spawn(f"{role} worker", a, [role, "--host", a.rsplit(":", 1)[0], "--port", a.rsplit(":", 1)[1],
                                                    *common, "--threads", str(decode_threads), *observe, *allowed,
                                                    "--metrics-port", str(next(metrics))])

@@ -140,14 +140,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
 async def serve(cfg: EngineConfig, host: str, port: int, transport: str, kv_host: str, max_queued: int = 256,
                 prefill_timeout: float = 600.0, tracing: Tracing | None = None, colocated: bool = False,
                 local_prefill_max_tokens: int = 0, reflection: bool = False, advertised: str = "",
-                tls: TLSConfig | None = None, allowed_prefill: Sequence[str] = (), kv_port: int = 0
+                tls: TLSConfig | None = None, allowed_prefill: Sequence[str] = (), kv_port: int = 0,
+                threads_while_prefilling: int | None = None
                 ) -> tuple[RunningServer, DecodeWorker, PrefillClients | None]:
     """A decode worker (or, `colocated`, one that prefills every prompt itself and runs no KV receiver)."""
     tracing = tracing or Tracing("pdserve-colocated" if colocated else "pdserve-decode")
     clients = None if colocated else PrefillClients(prefill_timeout, tracing.client_interceptors(), tls,
                                                     allowed_prefill)
     worker = DecodeWorker(cfg, clients, transport=transport, kv_host=kv_host, kv_port=kv_port, max_queued=max_queued,
-                          local_prefill_max_tokens=local_prefill_max_tokens, tracer=tracing.tracer)
+                          local_prefill_max_tokens=local_prefill_max_tokens, tracer=tracing.tracer,
+                          threads_while_prefilling=threads_while_prefilling)
     try:
         await worker.start()
         running = await start_server(

@@ -17,8 +17,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+import torch
+
 from engine.engine_core import EngineCore, StepOutput
 from engine.model_runner import LayerHook
+from engine.sampler import SampleOutput, SamplingError
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -31,6 +34,7 @@ class EngineStopped(RuntimeError):
     """The engine loop is not running (it died, or the worker is stopping)."""
 LayerHooks = Callable[[ScheduledBatch], LayerHook | None]
 StepObserver = Callable[[ScheduledBatch, float], None]
+StepThreads = Callable[[], int | None]
 
 
 class EngineLoop:
@@ -38,7 +42,7 @@ class EngineLoop:
 
     def __init__(self, build_core: Callable[[], EngineCore], name: str, layer_hooks: LayerHooks | None = None,
                  on_step: StepObserver | None = None, on_fatal: Callable[[BaseException], None] | None = None,
-                 on_blocks_freed: Callable[[], None] | None = None) -> None:
+                 on_blocks_freed: Callable[[], None] | None = None, step_threads: StepThreads | None = None) -> None:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-model")
         try:
             self.core = self._executor.submit(build_core).result()
@@ -50,6 +54,7 @@ class EngineLoop:
         self.on_step = on_step
         self.on_fatal = on_fatal
         self.on_blocks_freed = on_blocks_freed
+        self.step_threads = step_threads  # torch threads for the next forward (None: leave as they are)
         self.error: BaseException | None = None  # why the loop died, if it did
         self._sinks: dict[Sequence, Sink] = {}
         self._wakeup = asyncio.Event()
@@ -163,8 +168,16 @@ class EngineLoop:
         if not batch.seqs:
             return None
         hook = self.layer_hooks(batch) if self.layer_hooks is not None else None
-        future = asyncio.get_running_loop().run_in_executor(self._executor, self.core.execute, batch, hook)
+        threads = self.step_threads() if self.step_threads is not None else None
+        future = asyncio.get_running_loop().run_in_executor(self._executor, self._execute, batch, hook, threads)
         return batch, time.perf_counter(), future
+
+    def _execute(self, batch: ScheduledBatch, hook: LayerHook | None, threads: int | None
+                 ) -> list[SampleOutput | SamplingError | None]:
+        """On the model thread: the forward and sampling, with `threads` torch threads if given."""
+        if threads and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        return self.core.execute(batch, hook)
 
     def _deliver(self, seq: Sequence, error: BaseException) -> None:
         sink = self._sinks.pop(seq, None)

@@ -93,3 +93,29 @@ async def test_abort_during_a_step_frees_blocks_after_it(tiny_model_dir):
         assert loop.core.allocator.num_used_blocks == 0 and not loop.core.has_work
     finally:
         await loop.stop()
+
+
+async def test_each_forward_runs_with_the_threads_step_threads_names(tiny_model_dir):
+    """`step_threads` is asked before every forward and the forward runs with that many torch threads (what a
+    decode worker lowers while a prefill worker on the same cores computes for it)."""
+    import torch
+
+    wanted = iter([1, 2, 1, 2, 1, 2, 1, 2, 1, 2])
+    asked: list[int] = []
+    seen: list[int] = []
+
+    def step_threads() -> int:
+        asked.append(next(wanted, 1))
+        return asked[-1]
+
+    loop = _loop(tiny_model_dir, step_threads=step_threads,
+                 layer_hooks=lambda batch: lambda layer: seen.append(torch.get_num_threads()) if layer == 0 else None)
+    loop.start()
+    try:
+        queue: asyncio.Queue = asyncio.Queue()
+        loop.submit(Sequence("a", [5, 6, 7, 8], PARAMS), queue.put_nowait)
+        items = await _collect(queue)
+        assert len(items) == 8 and len(asked) == len(seen) == 8
+        assert seen == asked
+    finally:
+        await loop.stop()
