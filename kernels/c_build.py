@@ -59,7 +59,9 @@ def build(source: Path, cache_dir: Path, defines: tuple[str, ...] = ()) -> ctype
     if compiler is None:
         log.info("no C compiler (%s): %s stays on the torch path", wanted or "cc", what)
         return None
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), *defines, compiler, _cpu_id()]).encode())
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources may include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), *defines, compiler,
+                                    _cpu_id()]).encode())
     name = f"{what}-{key.hexdigest()[:16]}.so"
     for root in (cache_dir, Path(tempfile.gettempdir()) / "pdserve-kernels"):
         path = root / name

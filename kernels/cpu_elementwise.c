@@ -8,49 +8,14 @@
  * another exp, which can move a result by one bfloat16 step, rarely.
  * Built and loaded by kernels/cpu_elementwise.py.
  */
-#include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "cpu_math.h"
 
 #define LANES 16
 #define PAR_MIN_ELEMS 32768 /* fewer elements than this: one thread (a team costs more than the work) */
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
-/* exp(x): x = n ln2 + r, a degree-7 polynomial for e^r, 2^n from the exponent bits; within 2 ulp of expf, and
- * written so that gcc vectorizes loops calling it. Above 88 it overflows to infinity as expf does; below -87 it
- * returns exp(-87) where expf goes subnormal (next to 1, as in SiLU, the same). */
-static inline float exp_f32(float x) {
-    float v = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    float k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float e = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)k + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return x > 88.0f ? INFINITY : e * scale;
-}
 
 /* out[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps)); x rows at stride x_stride, out contiguous [T, n] */
 int rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int T, int n, float eps,

@@ -19,46 +19,25 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define LANES 16
 
 static inline float load_f32(float x) { return x; }
 static inline float store_f32(float x) { return x; }
+static inline float load_bf16(uint16_t x) { return bf16_to_f32(x); }
+static inline uint16_t store_bf16(float f) { return f32_to_bf16(f); }
 
-static inline float load_bf16(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t store_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even (attention outputs are finite) */
-    return (uint16_t)(u >> 16);
-}
-
-/* exp(x) for x <= 0, in place: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial for e^r, then 2^n from the
- * exponent bits. Within 2 ulp of expf; below -87 it returns exp(-87), which is 0 next to the row's maximum. */
-static void exp_inplace(float *x, int n) {
-    for (int i = 0; i < n; i++) {
-        float v = x[i] < -87.0f ? -87.0f : x[i];
-        float k = (v * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(v / ln2) */
-        float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-        float p = 1.9875691500e-4f;
-        p = p * r + 1.3981999507e-3f;
-        p = p * r + 8.3334519073e-3f;
-        p = p * r + 4.1665795894e-2f;
-        p = p * r + 1.6666665459e-1f;
-        p = p * r + 5.0000001201e-1f;
-        float e = p * r * r + r + 1.0f;
-        int32_t bits = ((int32_t)k + 127) << 23;
-        float scale;
-        memcpy(&scale, &bits, sizeof scale);
-        x[i] = e * scale;
-    }
+/* s[0:len] = softmax(s[0:len]), in place, in fp32 */
+static void softmax_inplace(float *s, int len) {
+    float m = s[0], sum = 0.0f;
+    for (int t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+    for (int t = 0; t < len; t++) s[t] = exp_f32(s[t] - m);
+    for (int t = 0; t < len; t++) sum += s[t];
+    const float inv = 1.0f / sum;
+    for (int t = 0; t < len; t++) s[t] *= inv;
 }
 
 /* dim is a multiple of LANES: LANES independent partial sums, added up at the end */
@@ -100,13 +79,7 @@ static inline float dot(const float *a, const float *b, int dim) {
                     for (int j = 0; j < group; j++) scores[j * max_len + t] = dot(qf[j], row, D);                  \
                 }                                                                                                  \
                 for (int j = 0; j < group; j++) {                                                                  \
-                    float *s = scores + j * max_len, m = s[0], sum = 0.0f;                                         \
-                    for (int t = 1; t < len; t++) m = s[t] > m ? s[t] : m;                                         \
-                    for (int t = 0; t < len; t++) s[t] -= m;                                                       \
-                    exp_inplace(s, len);                                                                           \
-                    for (int t = 0; t < len; t++) sum += s[t];                                                     \
-                    const float inv = 1.0f / sum;                                                                  \
-                    for (int t = 0; t < len; t++) s[t] *= inv;                                                     \
+                    softmax_inplace(scores + j * max_len, len);                                                    \
                     for (int d = 0; d < D; d++) acc[j][d] = 0.0f;                                                  \
                 }                                                                                                  \
                 for (int t = 0; t < len; t++) {                                                                    \
@@ -207,13 +180,7 @@ static inline __m512 sum_lanes16(const __m512 *v) {
                     }                                                                                              \
                 }                                                                                                  \
                 for (int j = 0; j < group; j++) {                                                                  \
-                    float *s = scores + (size_t)j * padded, m = s[0], sum = 0.0f;                                  \
-                    for (int t = 1; t < len; t++) m = s[t] > m ? s[t] : m;                                         \
-                    for (int t = 0; t < len; t++) s[t] -= m;                                                       \
-                    exp_inplace(s, len);                                                                           \
-                    for (int t = 0; t < len; t++) sum += s[t];                                                     \
-                    const float inv = 1.0f / sum;                                                                  \
-                    for (int t = 0; t < len; t++) s[t] *= inv;                                                     \
+                    softmax_inplace(scores + (size_t)j * padded, len);                                             \
                     for (int c = 0; c < nc; c++) acc[j][c] = _mm512_setzero_ps();                                  \
                 }                                                                                                  \
                 for (int t = 0; t < len; t++) {                                                                    \
