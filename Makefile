@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	@mkdir -p $(@D) && touch $@
 
 run: install
-	pdserve --log-level WARNING up --prompt "Write a haiku about the sea."
+	$(PY) -m cli --log-level WARNING up --prompt "Write a haiku about the sea."
 
 test: install
 	$(PY) -m pytest
