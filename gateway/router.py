@@ -283,11 +283,15 @@ class Router:
         limit = decode.stats.local_prefill_max_tokens
         if self.colocated:
             return Route(decode, None)
-        if prompt and 0 < len(prompt) <= limit and decode.queued_tokens < 4 * limit:
-            self.local_prefills += 1
-            decode.inflight_tokens += len(prompt)  # a burst sees its own backlog, not the last poll's
-            return Route(decode, None, len(prompt))
         prefill_ok = [w for w in self.prefill if w.healthy and w.address not in exclude]
+        if prompt and 0 < len(prompt) <= limit:
+            # local while the decode worker's own prefill backlog is short, or shorter than every prefill
+            # worker's: a burst of short prompts is shared between the two instead of queueing at one
+            remote = min((w.queued_tokens for w in prefill_ok), default=0)
+            if decode.queued_tokens < max(4 * limit, remote):
+                self.local_prefills += 1
+                decode.inflight_tokens += len(prompt)  # a burst sees its own backlog, not the last poll's
+                return Route(decode, None, len(prompt))
         if not prefill_ok:
             raise NoWorkerAvailable("no healthy prefill worker")
         block_size = max(prefill_ok[0].stats.block_size, 1)

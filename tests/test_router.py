@@ -143,7 +143,11 @@ async def test_a_burst_of_short_prompts_sees_its_own_backlog_on_the_decode_worke
         (d,), (p,) = router.decode, router.prefill
         routes = [router.pick(prompt=list(range(i, i + 64))) for i in range(6)]
         assert [r.prefill for r in routes] == [None] * 4 + [p, p]  # 4 x 64 tokens = the allowance
-        assert d.queued_tokens == 256
+        assert d.queued_tokens == 256 and p.queued_tokens == 128
+        routes += [router.pick(prompt=list(range(100 * i, 100 * i + 64))) for i in range(1, 7)]
+        # past the allowance, local only while the decode worker has less queued than p: they alternate
+        assert [r.prefill for r in routes[6:]] == [p, p, p, None, p, None]
+        assert (d.queued_tokens, p.queued_tokens) == (384, 384)
         for r in routes:
             router.started(r)
         assert d.queued_tokens == 0 and p.queued_tokens == 0
