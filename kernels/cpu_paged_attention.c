@@ -40,71 +40,11 @@ static void softmax_inplace(float *s, int len) {
     for (int t = 0; t < len; t++) s[t] *= inv;
 }
 
-/* dim is a multiple of LANES: LANES independent partial sums, added up at the end */
-static inline float dot(const float *a, const float *b, int dim) {
-    float acc[LANES] = {0};
-    for (int i = 0; i < dim; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
-    float s = 0.0f;
-    for (int j = 0; j < LANES; j++) s += acc[j];
-    return s;
-}
-
-/* q [B, H, D] (row strides q_sb, q_sh; D contiguous); k, v [num_blocks, block_size, KVH, D] contiguous;
- * tables [B, table_stride] block ids; lens [B] context lengths (>= 1); out [B, H, D] contiguous. */
-#define DECODE_ATTENTION_PORTABLE(NAME, T, LOAD, STORE)                                                              \
-    int NAME(const T *q, int64_t q_sb, int64_t q_sh, const T *k, const T *v, const int64_t *tables,                \
-             int64_t table_stride, const int32_t *lens, T *out, int B, int H, int KVH, int D, int BS, float scale,  \
-             int max_len, int threads) {                                                                           \
-        if (H % KVH || H / KVH > MAX_GROUP || D % LANES || D > MAX_HEAD_DIM) return 1;                              \
-        const int group = H / KVH;                                                                                 \
-        int failed = 0;                                                                                            \
-        _Pragma("omp parallel num_threads(threads) reduction(|:failed)")                                           \
-        {                                                                                                          \
-            float *scores = malloc(sizeof(float) * (size_t)group * (size_t)max_len);                               \
-            float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];                    \
-            failed |= scores == NULL;                                                                              \
-            _Pragma("omp for schedule(static)")                                                                   \
-            for (int item = 0; item < B * KVH; item++) {                                                           \
-                if (scores == NULL) continue;                                                                      \
-                const int b = item / KVH, g = item % KVH, len = lens[b];                                           \
-                const int64_t *table = tables + b * table_stride;                                                  \
-                for (int j = 0; j < group; j++) {                                                                  \
-                    const T *qr = q + b * q_sb + (int64_t)(g * group + j) * q_sh;                                  \
-                    for (int d = 0; d < D; d++) qf[j][d] = LOAD(qr[d]) * scale;                                    \
-                }                                                                                                  \
-                for (int t = 0; t < len; t++) {                                                                    \
-                    const T *kr = k + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                               \
-                    for (int d = 0; d < D; d++) row[d] = LOAD(kr[d]);                                              \
-                    for (int j = 0; j < group; j++) scores[j * max_len + t] = dot(qf[j], row, D);                  \
-                }                                                                                                  \
-                for (int j = 0; j < group; j++) {                                                                  \
-                    softmax_inplace(scores + j * max_len, len);                                                    \
-                    for (int d = 0; d < D; d++) acc[j][d] = 0.0f;                                                  \
-                }                                                                                                  \
-                for (int t = 0; t < len; t++) {                                                                    \
-                    const T *vr = v + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                               \
-                    for (int d = 0; d < D; d++) row[d] = LOAD(vr[d]);                                              \
-                    for (int j = 0; j < group; j++) {                                                              \
-                        const float p = scores[j * max_len + t];                                                   \
-                        for (int d = 0; d < D; d++) acc[j][d] += p * row[d];                                       \
-                    }                                                                                              \
-                }                                                                                                  \
-                for (int j = 0; j < group; j++) {                                                                  \
-                    T *o = out + ((int64_t)b * H + g * group + j) * D;                                             \
-                    for (int d = 0; d < D; d++) o[d] = STORE(acc[j][d]);                                           \
-                }                                                                                                  \
-            }                                                                                                      \
-            free(scores);                                                                                          \
-        }                                                                                                          \
-        return failed ? 2 : 0;                                                                                     \
-    }
-
-
+/* One (sequence, KV head) item: the `group` query heads of sequence b (qh = q + b * q_sb, oh = out + b * H * D)
+ * that share KV head g, over its `len` tokens; `scores` is this thread's [group, padded] scratch. */
 
 #if defined(__AVX512F__) && !defined(CPU_ATTENTION_PORTABLE)
 #include <immintrin.h>
-
 
 static inline __m512 loadv_f32(const float *p) { return _mm512_loadu_ps(p); }
 
@@ -135,79 +75,131 @@ static inline __m512 sum_lanes16(const __m512 *v) {
 }
 
 #define CHUNKS (MAX_HEAD_DIM / LANES)
-#define DECODE_ATTENTION(NAME, T, LOAD, LOADV, STORE)                                                             \
-    int NAME(const T *q, int64_t q_sb, int64_t q_sh, const T *k, const T *v, const int64_t *tables,                \
-             int64_t table_stride, const int32_t *lens, T *out, int B, int H, int KVH, int D, int BS, float scale,  \
-             int max_len, int threads) {                                                                           \
-        if (H % KVH || H / KVH > MAX_GROUP || D % LANES || D > MAX_HEAD_DIM) return 1;                              \
-        const int group = H / KVH, nc = D / LANES, padded = (max_len + LANES - 1) / LANES * LANES;                 \
-        int failed = 0;                                                                                            \
-        _Pragma("omp parallel num_threads(threads) reduction(|:failed)")                                           \
-        {                                                                                                          \
-            float *scores = aligned_alloc(64, sizeof(float) * (size_t)group * (size_t)padded);                     \
-            __m512 qf[MAX_GROUP][CHUNKS], acc[MAX_GROUP][CHUNKS], part[MAX_GROUP][LANES], row[CHUNKS];            \
-            float res[MAX_HEAD_DIM];                                                                               \
-            const T *rows[LANES];                                                                                  \
-            failed |= scores == NULL;                                                                              \
-            _Pragma("omp for schedule(static)")                                                                   \
-            for (int item = 0; item < B * KVH; item++) {                                                           \
-                if (scores == NULL) continue;                                                                      \
-                const int b = item / KVH, g = item % KVH, len = lens[b];                                           \
-                const int64_t *table = tables + b * table_stride;                                                  \
-                for (int j = 0; j < group; j++) {                                                                  \
-                    const T *qr = q + b * q_sb + (int64_t)(g * group + j) * q_sh;                                  \
-                    for (int c = 0; c < nc; c++) qf[j][c] = _mm512_mul_ps(LOADV(qr + c * LANES), _mm512_set1_ps(scale)); \
-                }                                                                                                  \
-                for (int t0 = 0; t0 < len; t0 += LANES) {                                                          \
-                    const int n = len - t0 < LANES ? len - t0 : LANES;                                             \
-                    for (int t = 0; t < n; t++)                                                                    \
-                        rows[t] = k + ((table[(t0 + t) / BS] * BS + (t0 + t) % BS) * KVH + g) * D;                 \
-                    for (int t = t0 + LANES; t < t0 + 2 * LANES && t < len; t++)                                   \
-                        prefetch_row(k + ((table[t / BS] * BS + t % BS) * KVH + g) * D, D * (int)sizeof(T), _MM_HINT_T0); \
-                    for (int t = t0; t < t0 + n; t++)                                                              \
-                        prefetch_row(v + ((table[t / BS] * BS + t % BS) * KVH + g) * D, D * (int)sizeof(T), _MM_HINT_T1); \
-                    for (int t = 0; t < n; t++) {                                                                  \
-                        for (int c = 0; c < nc; c++) row[c] = LOADV(rows[t] + c * LANES);                          \
-                        for (int j = 0; j < group; j++) {                                                          \
-                            __m512 s = _mm512_mul_ps(qf[j][0], row[0]);                                            \
-                            for (int c = 1; c < nc; c++) s = _mm512_fmadd_ps(qf[j][c], row[c], s);                 \
-                            part[j][t] = s;                                                                        \
-                        }                                                                                          \
-                    }                                                                                              \
-                    for (int j = 0; j < group; j++) {                                                              \
-                        for (int t = n; t < LANES; t++) part[j][t] = _mm512_setzero_ps();                          \
-                        _mm512_store_ps(scores + (size_t)j * padded + t0, sum_lanes16(part[j]));                   \
-                    }                                                                                              \
-                }                                                                                                  \
-                for (int j = 0; j < group; j++) {                                                                  \
-                    softmax_inplace(scores + (size_t)j * padded, len);                                             \
-                    for (int c = 0; c < nc; c++) acc[j][c] = _mm512_setzero_ps();                                  \
-                }                                                                                                  \
-                for (int t = 0; t < len; t++) {                                                                    \
-                    const T *vr = v + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                               \
-                    for (int c = 0; c < nc; c++) row[c] = LOADV(vr + c * LANES);                                   \
-                    for (int j = 0; j < group; j++) {                                                              \
-                        const __m512 p = _mm512_set1_ps(scores[(size_t)j * padded + t]);                           \
-                        for (int c = 0; c < nc; c++) acc[j][c] = _mm512_fmadd_ps(p, row[c], acc[j][c]);            \
-                    }                                                                                              \
-                }                                                                                                  \
-                for (int j = 0; j < group; j++) {                                                                  \
-                    T *o = out + ((int64_t)b * H + g * group + j) * D;                                             \
-                    for (int c = 0; c < nc; c++) _mm512_storeu_ps(res + c * LANES, acc[j][c]);                     \
-                    for (int d = 0; d < D; d++) o[d] = STORE(res[d]);                                              \
-                }                                                                                                  \
-            }                                                                                                      \
-            free(scores);                                                                                          \
-        }                                                                                                          \
-        return failed ? 2 : 0;                                                                                     \
+#define ATTEND_ITEM(SUFFIX, T, STORE)                                                                                \
+    static void attend_item_##SUFFIX(const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *table,        \
+                                     int len, T *oh, int g, int KVH, int D, int BS, float scale, int group,          \
+                                     int padded, float *scores) {                                                    \
+        const int nc = D / LANES;                                                                                    \
+        __m512 qf[MAX_GROUP][CHUNKS], acc[MAX_GROUP][CHUNKS], part[MAX_GROUP][LANES], row[CHUNKS];                   \
+        float res[MAX_HEAD_DIM];                                                                                     \
+        const T *rows[LANES];                                                                                        \
+        for (int j = 0; j < group; j++) {                                                                            \
+            const T *qr = qh + (int64_t)(g * group + j) * q_sh;                                                      \
+            for (int c = 0; c < nc; c++) qf[j][c] = _mm512_mul_ps(loadv_##SUFFIX(qr + c * LANES), _mm512_set1_ps(scale)); \
+        }                                                                                                            \
+        for (int t0 = 0; t0 < len; t0 += LANES) {                                                                    \
+            const int n = len - t0 < LANES ? len - t0 : LANES;                                                       \
+            for (int t = 0; t < n; t++) rows[t] = k + ((table[(t0 + t) / BS] * BS + (t0 + t) % BS) * KVH + g) * D;   \
+            for (int t = t0 + LANES; t < t0 + 2 * LANES && t < len; t++)                                             \
+                prefetch_row(k + ((table[t / BS] * BS + t % BS) * KVH + g) * D, D * (int)sizeof(T), _MM_HINT_T0);    \
+            for (int t = t0; t < t0 + n; t++)                                                                        \
+                prefetch_row(v + ((table[t / BS] * BS + t % BS) * KVH + g) * D, D * (int)sizeof(T), _MM_HINT_T1);    \
+            for (int t = 0; t < n; t++) {                                                                            \
+                for (int c = 0; c < nc; c++) row[c] = loadv_##SUFFIX(rows[t] + c * LANES);                           \
+                for (int j = 0; j < group; j++) {                                                                    \
+                    __m512 s = _mm512_mul_ps(qf[j][0], row[0]);                                                      \
+                    for (int c = 1; c < nc; c++) s = _mm512_fmadd_ps(qf[j][c], row[c], s);                           \
+                    part[j][t] = s;                                                                                  \
+                }                                                                                                    \
+            }                                                                                                        \
+            for (int j = 0; j < group; j++) {                                                                        \
+                for (int t = n; t < LANES; t++) part[j][t] = _mm512_setzero_ps();                                    \
+                _mm512_store_ps(scores + (size_t)j * padded + t0, sum_lanes16(part[j]));                             \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int j = 0; j < group; j++) {                                                                            \
+            softmax_inplace(scores + (size_t)j * padded, len);                                                       \
+            for (int c = 0; c < nc; c++) acc[j][c] = _mm512_setzero_ps();                                            \
+        }                                                                                                            \
+        for (int t = 0; t < len; t++) {                                                                              \
+            const T *vr = v + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                         \
+            for (int c = 0; c < nc; c++) row[c] = loadv_##SUFFIX(vr + c * LANES);                                    \
+            for (int j = 0; j < group; j++) {                                                                        \
+                const __m512 p = _mm512_set1_ps(scores[(size_t)j * padded + t]);                                     \
+                for (int c = 0; c < nc; c++) acc[j][c] = _mm512_fmadd_ps(p, row[c], acc[j][c]);                      \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int j = 0; j < group; j++) {                                                                            \
+            T *o = oh + (int64_t)(g * group + j) * D;                                                                \
+            for (int c = 0; c < nc; c++) _mm512_storeu_ps(res + c * LANES, acc[j][c]);                               \
+            for (int d = 0; d < D; d++) o[d] = STORE(res[d]);                                                        \
+        }                                                                                                            \
     }
-
-DECODE_ATTENTION(decode_attention_f32, float, load_f32, loadv_f32, store_f32)
-DECODE_ATTENTION(decode_attention_bf16, uint16_t, load_bf16, loadv_bf16, store_bf16)
 
 #else
 
-DECODE_ATTENTION_PORTABLE(decode_attention_f32, float, load_f32, store_f32)
-DECODE_ATTENTION_PORTABLE(decode_attention_bf16, uint16_t, load_bf16, store_bf16)
+/* dim is a multiple of LANES: LANES independent partial sums, added up at the end */
+static inline float dot(const float *a, const float *b, int dim) {
+    float acc[LANES] = {0};
+    for (int i = 0; i < dim; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
+    float s = 0.0f;
+    for (int j = 0; j < LANES; j++) s += acc[j];
+    return s;
+}
+
+#define ATTEND_ITEM(SUFFIX, T, STORE)                                                                                \
+    static void attend_item_##SUFFIX(const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *table,        \
+                                     int len, T *oh, int g, int KVH, int D, int BS, float scale, int group,          \
+                                     int padded, float *scores) {                                                    \
+        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];                          \
+        for (int j = 0; j < group; j++) {                                                                            \
+            const T *qr = qh + (int64_t)(g * group + j) * q_sh;                                                      \
+            for (int d = 0; d < D; d++) qf[j][d] = load_##SUFFIX(qr[d]) * scale;                                     \
+        }                                                                                                            \
+        for (int t = 0; t < len; t++) {                                                                              \
+            const T *kr = k + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                         \
+            for (int d = 0; d < D; d++) row[d] = load_##SUFFIX(kr[d]);                                               \
+            for (int j = 0; j < group; j++) scores[(size_t)j * padded + t] = dot(qf[j], row, D);                     \
+        }                                                                                                            \
+        for (int j = 0; j < group; j++) {                                                                            \
+            softmax_inplace(scores + (size_t)j * padded, len);                                                       \
+            for (int d = 0; d < D; d++) acc[j][d] = 0.0f;                                                            \
+        }                                                                                                            \
+        for (int t = 0; t < len; t++) {                                                                              \
+            const T *vr = v + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                         \
+            for (int d = 0; d < D; d++) row[d] = load_##SUFFIX(vr[d]);                                               \
+            for (int j = 0; j < group; j++) {                                                                        \
+                const float p = scores[(size_t)j * padded + t];                                                      \
+                for (int d = 0; d < D; d++) acc[j][d] += p * row[d];                                                 \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int j = 0; j < group; j++) {                                                                            \
+            T *o = oh + (int64_t)(g * group + j) * D;                                                                \
+            for (int d = 0; d < D; d++) o[d] = STORE(acc[j][d]);                                                     \
+        }                                                                                                            \
+    }
 
 #endif
+
+ATTEND_ITEM(f32, float, store_f32)
+ATTEND_ITEM(bf16, uint16_t, store_bf16)
+
+/* q [B, H, D] (row strides q_sb, q_sh; D contiguous); k, v [num_blocks, block_size, KVH, D] contiguous;
+ * tables [B, table_stride] block ids; lens [B] context lengths (>= 1, at most max_len); out [B, H, D] contiguous.
+ * Returns 0, 1 for shapes it does not take, 2 when scratch memory could not be had. */
+#define DECODE_ATTENTION(NAME, SUFFIX, T)                                                                            \
+    int NAME(const T *q, int64_t q_sb, int64_t q_sh, const T *k, const T *v, const int64_t *tables,                  \
+             int64_t table_stride, const int32_t *lens, T *out, int B, int H, int KVH, int D, int BS, float scale,   \
+             int max_len, int threads) {                                                                             \
+        if (H % KVH || H / KVH > MAX_GROUP || D % LANES || D > MAX_HEAD_DIM) return 1;                               \
+        const int group = H / KVH, padded = (max_len + LANES - 1) / LANES * LANES;                                   \
+        int failed = 0;                                                                                              \
+        _Pragma("omp parallel num_threads(threads) reduction(|:failed)")                                             \
+        {                                                                                                            \
+            float *scores = aligned_alloc(64, sizeof(float) * (size_t)group * (size_t)padded);                       \
+            failed |= scores == NULL;                                                                                \
+            _Pragma("omp for schedule(static)")                                                                      \
+            for (int item = 0; item < B * KVH; item++) {                                                             \
+                if (scores == NULL) continue;                                                                        \
+                const int b = item / KVH;                                                                            \
+                attend_item_##SUFFIX(q + b * q_sb, q_sh, k, v, tables + b * table_stride, lens[b],                   \
+                                     out + (int64_t)b * H * D, item % KVH, KVH, D, BS, scale, group, padded, scores); \
+            }                                                                                                        \
+            free(scores);                                                                                            \
+        }                                                                                                            \
+        return failed ? 2 : 0;                                                                                       \
+    }
+
+DECODE_ATTENTION(decode_attention_f32, f32, float)
+DECODE_ATTENTION(decode_attention_bf16, bf16, uint16_t)
