@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
-from kernels.cpu_elementwise import silu_and_mul
+from kernels.activation import silu_and_mul
 from kernels.rms_norm import rms_norm
 from kernels.rotary import apply_rope, rope_cache, rope_for_positions
 

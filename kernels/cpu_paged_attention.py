@@ -25,8 +25,7 @@ _ARGTYPES = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I, _I, _I, _I, _I, _F, _
 class CpuPagedAttention:
     """The loaded library: `decode` for float32 and bfloat16 caches."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
-        self.path = path
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = {}
         for dtype, name in _FUNCTIONS.items():
             fn = getattr(lib, name)
@@ -64,4 +63,4 @@ def load(cache_dir: Path, defines: tuple[str, ...] = ()) -> CpuPagedAttention | 
     """The kernel, built into `cache_dir` on first use (`kernels.c_build`); None where it cannot be built.
     `CPU_ATTENTION_PORTABLE` in `defines` builds the plain-C loops even where AVX-512 is available."""
     lib = c_build.build(SOURCE, cache_dir, defines)
-    return CpuPagedAttention(lib, Path(lib._name)) if lib is not None else None
+    return CpuPagedAttention(lib) if lib is not None else None
