@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	@mkdir -p $(@D) && touch $@
 
 run: install
-	$(PY) -m cli --log-level WARNING up --prompt "Write a haiku about the sea."
+	$(PY) -m pdserve.cli --log-level WARNING up --prompt "Write a haiku about the sea."
 
 test: install
 	$(PY) -m pytest
@@ -24,4 +24,4 @@ test-fast: install
 
 bench: install
 	$(PIP) install -q -e '.[bench]'
-	$(PY) -m benchmarks.compare --out benchmarks/results
+	$(PY) -m pdserve.benchmarks.compare --out benchmarks/results

@@ -1,7 +1,7 @@
 """One run, one machine: HF `generate`, pdserve colocated, pdserve disaggregated, vLLM (CPU) and vLLM
 disaggregated (NixlConnector), all serving SmolLM2-135M with the same prompts and output length.
 
-    taskset -c 0-1 python -m benchmarks.compare --out benchmarks/results
+    taskset -c 0-1 python -m pdserve.benchmarks.compare --out benchmarks/results
 
 Run it under `taskset`: every process it starts (servers and the load generator) inherits that core set.
 vLLM runs from its own venv (`--vllm-python`; see README for the install); systems that cannot start are
@@ -22,8 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from benchmarks.load_gen import GrpcTarget, OpenAIDisaggTarget, OpenAITarget, make_requests, run_load
-from benchmarks.bench_stats import compute_metrics
+from pdserve.benchmarks.load_gen import GrpcTarget, OpenAIDisaggTarget, OpenAITarget, make_requests, run_load
+from pdserve.benchmarks.bench_stats import compute_metrics
 
 SYSTEMS = ("hf", "pdserve-colocated", "pdserve-disagg", "vllm", "vllm-disagg")
 
@@ -136,7 +136,7 @@ class Runner:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from engine.model_store import resolve_model
+        from pdserve.engine.model_store import resolve_model
 
         model = AutoModelForCausalLM.from_pretrained(str(resolve_model(None)), dtype=torch.bfloat16).eval()
         torch.set_num_threads(len(os.sched_getaffinity(0)))
@@ -161,7 +161,7 @@ class Runner:
     def pdserve(self, colocated: bool) -> None:
         name = "pdserve-colocated" if colocated else "pdserve-disagg"
         port, http = free_port(), free_port()
-        argv = [sys.executable, "-m", "cli", "--log-level", "WARNING", "up", "--dtype", "bfloat16",
+        argv = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up", "--dtype", "bfloat16",
                 "--port", str(port), "--prefill-port", str(free_port()), "--decode-port", str(free_port()),
                 "--metrics-port", "-1", "--kv-cache-memory", "1G", "--max-num-seqs", "64", "--http-port", str(http)]
         if colocated:
@@ -189,7 +189,7 @@ class Runner:
                 "VLLM_CPU_OMP_THREADS_BIND": bind, "TRANSFORMERS_OFFLINE": "1"}
 
     def _vllm_argv(self, port: int) -> list[str]:
-        from engine.model_store import resolve_model
+        from pdserve.engine.model_store import resolve_model
 
         return [self.args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                 str(resolve_model(None)), "--served-model-name", "smollm2", "--dtype", "bfloat16",

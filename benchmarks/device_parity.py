@@ -3,8 +3,8 @@
 The device check's correctness half (`benchmarks/gpu_check.sh`): fp32 must match token for token; bf16 is
 reported as the fraction of matching tokens (rounding differs between kernels). Prints one JSON object.
 
-    python -m benchmarks.device_parity --device cuda --dtype float32
-    python -m benchmarks.device_parity --device cuda --dtype float32 --served 127.0.0.1:50051 --requests 16
+    python -m pdserve.benchmarks.device_parity --device cuda --dtype float32
+    python -m pdserve.benchmarks.device_parity --device cuda --dtype float32 --served 127.0.0.1:50051 --requests 16
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def engine_greedy(path: str, device: str, dtype: str, backend: str, batch: list[list[int]], n: int) -> list[list[int]]:
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.engine.sampling_params import SamplingParams
 
     core = EngineCore(EngineConfig(model=path, dtype=dtype, device=device, attention_backend=backend,
                                    max_num_seqs=len(batch), kv_cache_memory=256 << 20))
@@ -63,8 +63,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from engine.config import parse_dtype
-    from engine.model_store import resolve_model
+    from pdserve.engine.config import parse_dtype
+    from pdserve.engine.model_store import resolve_model
 
     path = str(resolve_model(args.model))
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(args.dtype)).eval().to(args.device)

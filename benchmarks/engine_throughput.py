@@ -1,6 +1,6 @@
 """Offline generation throughput: the pdserve engine vs `transformers.generate`, same prompts, one run.
 
-    python -m benchmarks.engine_throughput --batches 1 8 32 --repeats 3 --dtype bfloat16
+    python -m pdserve.benchmarks.engine_throughput --batches 1 8 32 --repeats 3 --dtype bfloat16
 
 Every prompt is exactly `--prompt-len` tokens and every request produces exactly `--output-len` tokens
 (the engine with ignore_eos, transformers with min_new_tokens), so both do the same work.
@@ -23,7 +23,7 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def bench_engine(engine, prompts, out_len) -> float:
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -62,9 +62,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from engine.config import EngineConfig, parse_dtype
-    from engine.engine_core import EngineCore
-    from engine.model_store import resolve_model
+    from pdserve.engine.config import EngineConfig, parse_dtype
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.engine.model_store import resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -36,12 +36,12 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-PDSERVE=($PY -m cli)
+PDSERVE=($PY -m pdserve.cli)
 # the model: the built-in one where it is installed, else a random-weight twin of it (see gpu_wheels.sh)
 MODEL=${MODEL:-}
 if [ -z "$MODEL" ]; then
     if $PY -c "from engine.model_store import resolve_model; resolve_model(None)" >/dev/null 2>&1; then MODEL=default
-    elif [ -d .whl/model ]; then MODEL=$($PY -m benchmarks.random_model .whl/model /tmp/pdserve-check-model | tail -1)
+    elif [ -d .whl/model ]; then MODEL=$($PY -m pdserve.benchmarks.random_model .whl/model /tmp/pdserve-check-model | tail -1)
     fi
 fi
 KVT=ucx; $PY -c "import ucxx" >/dev/null 2>&1 || KVT=tcp
@@ -64,11 +64,11 @@ record tests $? "$(tail -1 "$OUT/pytest.txt")"
 # 2. engine against transformers on the device
 backend=triton; [ "$DEVICE" = cpu ] && backend=torch
 n=8; [ -n "$QUICK" ] && n=2
-timeout 600 $PY -m benchmarks.device_parity --model "$MODEL" --device "$DEVICE" --dtype float32 --backend "$backend" --requests $n \
+timeout 600 $PY -m pdserve.benchmarks.device_parity --model "$MODEL" --device "$DEVICE" --dtype float32 --backend "$backend" --requests $n \
     > "$OUT/parity-fp32.json" 2>"$OUT/parity-fp32.err"
 record engine-fp32-exact $? "$(cat "$OUT/parity-fp32.json")"
 if [ -z "$QUICK" ]; then
-    timeout 600 $PY -m benchmarks.device_parity --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --requests $n \
+    timeout 600 $PY -m pdserve.benchmarks.device_parity --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --requests $n \
         > "$OUT/parity-bf16.json" 2>"$OUT/parity-bf16.err"
     record engine-bf16 0 "$(cat "$OUT/parity-bf16.json")"
 fi
@@ -81,7 +81,7 @@ G=$(port); P=$(port); D=$(port)
 UP=$!
 if wait_up "$OUT/up-fp32.log" $UP; then
     n=16; [ -n "$QUICK" ] && n=4
-    timeout 600 $PY -m benchmarks.device_parity --model "$MODEL" --device "$DEVICE" --dtype float32 --served "127.0.0.1:$G" \
+    timeout 600 $PY -m pdserve.benchmarks.device_parity --model "$MODEL" --device "$DEVICE" --dtype float32 --served "127.0.0.1:$G" \
         --requests $n > "$OUT/parity-served.json" 2>"$OUT/parity-served.err"
     record disaggregated-exact $? "$(cat "$OUT/parity-served.json")"
 else
@@ -92,7 +92,7 @@ kill -TERM $UP; wait $UP
 # 4. decode throughput against transformers.generate
 batches=(1 64 256); [ -n "$QUICK" ] && batches=(1 4)
 out=128; [ -n "$QUICK" ] && out=8
-timeout 900 $PY -m benchmarks.engine_throughput --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --batches "${batches[@]}" \
+timeout 900 $PY -m pdserve.benchmarks.engine_throughput --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --batches "${batches[@]}" \
     --output-len $out --repeats 1 --kv-cache-memory $KV_BYTES --json "$OUT/engine.json" > "$OUT/engine.txt" 2>&1
 record engine-throughput $? "$(tail -${#batches[@]} "$OUT/engine.txt" | tr -s ' ' | paste -sd ';')"
 

@@ -1,6 +1,6 @@
 """KV transfer bandwidth: pdserve's UCX and TCP paths next to raw ucxx and memcpy, in one run on one host.
 
-    python -m benchmarks.kv_transfer --tokens 128 1024 8192 --repeats 5
+    python -m pdserve.benchmarks.kv_transfer --tokens 128 1024 8192 --repeats 5
 
 The layout is a 135M-class model's (30 layers, 3 KV heads, head dim 64, block 16, bf16). Each pdserve
 transfer is one request: 30 layer messages of K and V from the sender's cache into the receiver's paged cache,
@@ -35,9 +35,9 @@ def _receiver(pipe, num_blocks: int) -> None:
     """Serves pdserve receivers for both transports and a raw ucxx echo-ack endpoint."""
     import ucxx
 
-    from kernels.kv_layout import KVLayout
-    from kvtransfer.receiver import KVReceiver
-    from kvtransfer.transports import make_transport
+    from pdserve.kernels.kv_layout import KVLayout
+    from pdserve.kvtransfer.receiver import KVReceiver
+    from pdserve.kvtransfer.transports import make_transport
 
     async def raw_handler(ep) -> None:
         while True:
@@ -126,14 +126,14 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    from kvtransfer.ucx_transport import _UCX_DEFAULTS
+    from pdserve.kvtransfer.ucx_transport import _UCX_DEFAULTS
 
     for k, v in _UCX_DEFAULTS.items():  # the raw baseline gets the same UCX settings as pdserve
         os.environ.setdefault(k, v)
 
-    from kernels.kv_layout import KVLayout
-    from kvtransfer.sender import KVSender
-    from kvtransfer.transports import make_transport
+    from pdserve.kernels.kv_layout import KVLayout
+    from pdserve.kvtransfer.sender import KVSender
+    from pdserve.kvtransfer.transports import make_transport
 
     max_blocks = max(-(-t // LAYOUT["block_size"]) for t in args.tokens)
     ctx = mp.get_context("spawn")
@@ -170,7 +170,7 @@ def main() -> None:
     pipe.send(("stop",))
     pipe.recv()
     proc.join(10)
-    from kvtransfer.transports import shutdown_transports
+    from pdserve.kvtransfer.transports import shutdown_transports
 
     shutdown_transports()
     if args.json:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from benchmarks.bench_stats import RequestResult, compute_metrics, format_table, parse_goodput
+from pdserve.benchmarks.bench_stats import RequestResult, compute_metrics, format_table, parse_goodput
 
 
 @dataclass

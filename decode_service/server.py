@@ -11,11 +11,11 @@ from typing import Sequence
 
 import grpc
 
-from decode_service.worker import DecodeWorker, PoolExhausted, TokenEvent, WorkerClosing
-from engine.config import EngineConfig
-from engine.engine_loop import EngineStopped
-from engine.sampler import SamplingError
-from kvtransfer.errors import TransferError
+from pdserve.decode_service.worker import DecodeWorker, PoolExhausted, TokenEvent, WorkerClosing
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_loop import EngineStopped
+from pdserve.engine.sampler import SamplingError
+from pdserve.kvtransfer.errors import TransferError
 from pdserve.failure import failure_metadata
 from pdserve.grpc_server import RunningServer, open_channel, records_cancellation, start_server
 from pdserve.discovery import resolve_ipv4
@@ -23,7 +23,7 @@ from pdserve.security import TLSConfig
 from pdserve.tracing import Tracing
 from pdserve.wire import (FINISH_REASONS, PrefillJob, PrefillResult, job_to_proto, logprob_to_proto,
                           result_from_proto, sampling_from_proto)
-from protos import worker_pb2, worker_pb2_grpc
+from pdserve.protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -25,17 +25,17 @@ import torch
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from decode_service.metrics import DecodeMetrics
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.engine_loop import EngineLoop
-from engine.sampler import SampleOutput
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
-from kvtransfer.receiver import KVReceiver
-from kvtransfer.stats import TransferStats
-from kvtransfer.transports import make_transport
+from pdserve.decode_service.metrics import DecodeMetrics
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.sampler import SampleOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.sequence import Sequence
+from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.stats import TransferStats
+from pdserve.kvtransfer.transports import make_transport
 from pdserve.deadline import deadline_passed
 from pdserve.logs import REQUEST_LOGGER, log_request
 from pdserve.tracing import extract, trace_id

@@ -26,10 +26,10 @@ from typing import Protocol
 
 import torch
 
-from engine.model_store import cache_dir
-from kernels import cpu_paged_attention
-from kernels.cache_ops import store_kv
-from kernels.paged_attention import decode_attention, decode_mask, prefill_attention
+from pdserve.engine.model_store import cache_dir
+from pdserve.kernels import cpu_paged_attention
+from pdserve.kernels.cache_ops import store_kv
+from pdserve.kernels.paged_attention import decode_attention, decode_mask, prefill_attention
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class TritonAttention:
     name = "triton"
 
     def __init__(self) -> None:
-        from kernels.triton_paged_attention import paged_decode_attention
+        from pdserve.kernels.triton_paged_attention import paged_decode_attention
 
         self._decode = paged_decode_attention
         self._step = _StepTensors()

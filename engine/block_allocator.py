@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from kernels.block_hash import hash_block, prefix_hashes
+from pdserve.kernels.block_hash import hash_block, prefix_hashes
 
 
 CacheListener = Callable[[list[int], list[int]], None]

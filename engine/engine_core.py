@@ -13,15 +13,15 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence as Seq
 
-from engine.block_allocator import BlockAllocator
-from engine.config import EngineConfig
-from engine.model import LlamaForCausalLM
-from engine.model_runner import LayerHook, ModelRunner
-from engine.request_check import check_request
-from engine.sampler import SampleOutput, SamplingError
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence
+from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model import LlamaForCausalLM
+from pdserve.engine.model_runner import LayerHook, ModelRunner
+from pdserve.engine.request_check import check_request
+from pdserve.engine.sampler import SampleOutput, SamplingError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledBatch, Scheduler
+from pdserve.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from typing import Callable
 
 import torch
 
-from engine.engine_core import EngineCore, StepOutput
-from engine.model_runner import LayerHook
-from engine.sampler import SampleOutput, SamplingError
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from pdserve.engine.engine_core import EngineCore, StepOutput
+from pdserve.engine.model_runner import LayerHook
+from pdserve.engine.sampler import SampleOutput, SamplingError
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
-from kernels.kv_layout import KVLayout
+from pdserve.engine.config import ModelConfig
+from pdserve.kernels.kv_layout import KVLayout
 
 
 def plan_kv_cache(cfg: ModelConfig, dtype: torch.dtype, block_size: int, memory_bytes: int,

@@ -13,11 +13,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.config import ModelConfig
-from kernels.activation import silu_and_mul
-from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rope, rope_cache, rope_for_positions
+from pdserve.engine.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.config import ModelConfig
+from pdserve.kernels.activation import silu_and_mul
+from pdserve.kernels.rms_norm import rms_norm
+from pdserve.kernels.rotary import apply_rope, rope_cache, rope_for_positions
 
 Op = Callable[..., torch.Tensor]
 

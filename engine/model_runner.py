@@ -11,17 +11,17 @@ from typing import Callable
 
 import torch
 
-from engine.attention import AttentionMetadata, select_backend
-from engine.config import EngineConfig, ModelConfig, parse_dtype
-from engine.host_memory import keep_freed_memory
-from engine.kv_cache import plan_kv_cache
-from engine.model import LlamaForCausalLM, load_model
-from engine.model_store import cache_dir, resolve_model
-from engine.sampler import SampleOutput, Sampler, SamplingError
-from engine.scheduler import ScheduledBatch
-from kernels import cpu_elementwise
-from kernels.kv_layout import KVLayout
-from kernels.packed_linear import pack_linears
+from pdserve.engine.attention import AttentionMetadata, select_backend
+from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
+from pdserve.engine.host_memory import keep_freed_memory
+from pdserve.engine.kv_cache import plan_kv_cache
+from pdserve.engine.model import LlamaForCausalLM, load_model
+from pdserve.engine.model_store import cache_dir, resolve_model
+from pdserve.engine.sampler import SampleOutput, Sampler, SamplingError
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.kernels import cpu_elementwise
+from pdserve.kernels.kv_layout import KVLayout
+from pdserve.kernels.packed_linear import pack_linears
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 
 
 def check_request(token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int,

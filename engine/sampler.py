@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_allocator import BlockAllocator, NoFreeBlocks
-from engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.block_allocator import BlockAllocator, NoFreeBlocks
+from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -7,7 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 _seq_ids = itertools.count()
 

@@ -22,11 +22,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
 
-from gateway.request_path import Delta, GenerationRequest, RequestError, RequestPath, invalid
+from pdserve.gateway.request_path import Delta, GenerationRequest, RequestError, RequestPath, invalid
 from pdserve.grpc_server import PortInUse, check_free
 from pdserve.security import TLSConfig, key_matches
 from pdserve.tracing import Tracing, extract
-from protos import common_pb2
+from pdserve.protos import common_pb2
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),

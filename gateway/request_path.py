@@ -19,15 +19,15 @@ from typing import AsyncIterator
 import grpc
 from opentelemetry import trace
 
-from gateway.metrics import GatewayMetrics
-from gateway.router import NoWorkerAvailable, Route, Router, WorkerHandle
-from gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
-from gateway.tokenizer import Tokenizer
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.router import NoWorkerAvailable, Route, Router, WorkerHandle
+from pdserve.gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
+from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.deadline import deadline_passed
 from pdserve.logs import REQUEST_LOGGER, log_request
 from pdserve.tracing import trace_id
 from pdserve.failure import FAILED_ADDRESS, FAILED_PARTY, INVALID_PARAMETER
-from protos import common_pb2, worker_pb2
+from pdserve.protos import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(REQUEST_LOGGER)

@@ -28,11 +28,11 @@ from typing import NamedTuple, Sequence
 
 import grpc
 
-from kernels.block_hash import prefix_hashes
+from pdserve.kernels.block_hash import prefix_hashes
 from pdserve.discovery import Resolver, resolve_ipv4
 from pdserve.grpc_server import open_channel
 from pdserve.security import TLSConfig
-from protos import worker_pb2, worker_pb2_grpc
+from pdserve.protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import grpc
 
-from gateway.metrics import GatewayMetrics
-from gateway.openai_api import HTTPServer, create_app
-from gateway.request_path import GenerationRequest, RequestError, RequestPath
-from gateway.router import NoWorkerAvailable, Router
-from gateway.tokenizer import Tokenizer
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.openai_api import HTTPServer, create_app
+from pdserve.gateway.request_path import GenerationRequest, RequestError, RequestPath
+from pdserve.gateway.router import NoWorkerAvailable, Router
+from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.grpc_server import RunningServer, records_cancellation, start_server
 from pdserve.security import ApiKeyInterceptor, TLSConfig
 from pdserve.tracing import Tracing
-from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from pdserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 

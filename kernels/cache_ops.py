@@ -42,7 +42,7 @@ def _triton_on(t: torch.Tensor) -> bool:
 def gather_blocks(layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """`pack_blocks`, by the Triton kernel on a GPU (one launch instead of an index_select per layer and kind)."""
     if _triton_on(layer):
-        from kernels.triton_kv_blocks import pack_blocks as triton_pack
+        from pdserve.kernels.triton_kv_blocks import pack_blocks as triton_pack
 
         return triton_pack(layer, block_ids)
     return pack_blocks(layer, block_ids)
@@ -51,7 +51,7 @@ def gather_blocks(layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 def scatter_blocks(buffer: torch.Tensor, layer: torch.Tensor, block_ids: torch.Tensor) -> None:
     """`unpack_blocks`, by the Triton kernel on a GPU."""
     if _triton_on(layer):
-        from kernels.triton_kv_blocks import unpack_blocks as triton_unpack
+        from pdserve.kernels.triton_kv_blocks import unpack_blocks as triton_unpack
 
         triton_unpack(buffer, layer, block_ids)
     else:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from kernels import c_build
-from kernels.activation import silu_and_mul
-from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rope
+from pdserve.kernels import c_build
+from pdserve.kernels.activation import silu_and_mul
+from pdserve.kernels.rms_norm import rms_norm
+from pdserve.kernels.rotary import apply_rope
 
 SOURCE = Path(__file__).with_name("cpu_elementwise.c")
 LANES = 16

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import c_build
+from pdserve.kernels import c_build
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 MAX_HEAD_DIM, MAX_GROUP, LANES = 256, 16, 16

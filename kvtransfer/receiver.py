@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels.cache_ops import scatter_blocks
-from kernels.kv_layout import KVLayout, LayoutMismatch
-from kvtransfer.errors import PeerDisconnected, ProtocolError, TransferCancelled, TransferError, TransferTimeout
-from kvtransfer.stats import StatsHook, TransferStats
-from kvtransfer.transport import Connection, Listener, Transport, as_bytes
+from pdserve.kernels.cache_ops import scatter_blocks
+from pdserve.kernels.kv_layout import KVLayout, LayoutMismatch
+from pdserve.kvtransfer.errors import PeerDisconnected, ProtocolError, TransferCancelled, TransferError, TransferTimeout
+from pdserve.kvtransfer.stats import StatsHook, TransferStats
+from pdserve.kvtransfer.transport import Connection, Listener, Transport, as_bytes
 
 log = logging.getLogger(__name__)
 

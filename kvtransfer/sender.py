@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.cache_ops import gather_blocks
-from kernels.kv_layout import KVLayout, LayoutMismatch
-from kvtransfer.errors import PeerDisconnected, TransferCancelled, TransferError, TransferTimeout
-from kvtransfer.receiver import contiguous_run
-from kvtransfer.stats import StatsHook, TransferStats
-from kvtransfer.transport import Connection, Transport, as_bytes, parse_address, to_host
+from pdserve.kernels.cache_ops import gather_blocks
+from pdserve.kernels.kv_layout import KVLayout, LayoutMismatch
+from pdserve.kvtransfer.errors import PeerDisconnected, TransferCancelled, TransferError, TransferTimeout
+from pdserve.kvtransfer.receiver import contiguous_run
+from pdserve.kvtransfer.stats import StatsHook, TransferStats
+from pdserve.kvtransfer.transport import Connection, Transport, as_bytes, parse_address, to_host
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtransfer.errors import ListenFailed, PeerDisconnected, ProtocolError
-from kvtransfer.transport import MAX_HEADER, Connection, Handler, Listener, Transport, decode_header
+from pdserve.kvtransfer.errors import ListenFailed, PeerDisconnected, ProtocolError
+from pdserve.kvtransfer.transport import MAX_HEADER, Connection, Handler, Listener, Transport, decode_header
 
 _LEN = struct.Struct("!I")
 _SOCK_BUF = 4 << 20

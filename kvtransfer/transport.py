@@ -20,7 +20,7 @@ MAX_HEADER = 64 << 10
 
 def decode_header(blob: bytes | bytearray) -> dict:
     """A header's JSON object; anything else (bad JSON, a list) breaks the protocol."""
-    from kvtransfer.errors import ProtocolError
+    from pdserve.kvtransfer.errors import ProtocolError
 
     try:
         header = json.loads(blob)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from kvtransfer.tcp_transport import TCPTransport
-from kvtransfer.transport import Transport
-from kvtransfer.ucx_transport import UCXTransport
+from pdserve.kvtransfer.tcp_transport import TCPTransport
+from pdserve.kvtransfer.transport import Transport
+from pdserve.kvtransfer.ucx_transport import UCXTransport
 
 TRANSPORTS = {"ucx": UCXTransport, "tcp": TCPTransport}
 
@@ -23,6 +23,6 @@ def shutdown_transports() -> None:
     """Release process-wide transport state once this process is done moving KV (UCX: its notifier thread,
     which otherwise keeps the interpreter from exiting)."""
     if "ucxx" in sys.modules:
-        from kvtransfer.ucx_transport import shutdown
+        from pdserve.kvtransfer.ucx_transport import shutdown
 
         shutdown()

@@ -15,8 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtransfer.errors import ListenFailed, PeerDisconnected, ProtocolError
-from kvtransfer.transport import MAX_HEADER, Connection, Handler, Listener, Transport, decode_header
+from pdserve.kvtransfer.errors import ListenFailed, PeerDisconnected, ProtocolError
+from pdserve.kvtransfer.transport import MAX_HEADER, Connection, Handler, Listener, Transport, decode_header
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import AsyncIterator, Sequence
 
 from pdserve.grpc_server import open_channel
 from pdserve.security import TLSConfig
-from protos import common_pb2, generation_pb2, generation_pb2_grpc
+from pdserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 
 
 @dataclass

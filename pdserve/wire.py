@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampler import SampleOutput
-from engine.sampling_params import SamplingParams
-from protos import common_pb2, worker_pb2
+from pdserve.engine.sampler import SampleOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.protos import common_pb2, worker_pb2
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,

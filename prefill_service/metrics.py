@@ -6,7 +6,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.block_allocator import BlockAllocator
+from pdserve.engine.block_allocator import BlockAllocator
 from pdserve.metrics_server import TOKEN_BUCKETS, TTFT_BUCKETS
 
 

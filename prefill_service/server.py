@@ -6,18 +6,18 @@ import logging
 
 import grpc
 
-from engine.config import EngineConfig
-from engine.engine_loop import EngineStopped
-from engine.sampler import SamplingError
-from kernels.kv_layout import LayoutMismatch
-from kvtransfer.errors import TransferError
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_loop import EngineStopped
+from pdserve.engine.sampler import SamplingError
+from pdserve.kernels.kv_layout import LayoutMismatch
+from pdserve.kvtransfer.errors import TransferError
 from pdserve.failure import failure_metadata
 from pdserve.grpc_server import RunningServer, records_cancellation, start_server
 from pdserve.security import TLSConfig
 from pdserve.tracing import Tracing
 from pdserve.wire import job_from_proto, result_to_proto
-from prefill_service.worker import PrefillWorker, QueueFull
-from protos import worker_pb2, worker_pb2_grpc
+from pdserve.prefill_service.worker import PrefillWorker, QueueFull
+from pdserve.protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -20,22 +20,22 @@ from typing import AsyncIterator
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore, StepOutput
-from engine.engine_loop import EngineLoop, EngineStopped
-from engine.model_runner import LayerHook
-from engine.sampler import SampleOutput
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
-from kernels.kv_layout import LayoutMismatch
-from kvtransfer.errors import TransferError
-from kvtransfer.sender import KVSender
-from kvtransfer.stats import TransferStats
-from kvtransfer.transports import make_transport
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore, StepOutput
+from pdserve.engine.engine_loop import EngineLoop, EngineStopped
+from pdserve.engine.model_runner import LayerHook
+from pdserve.engine.sampler import SampleOutput
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.sequence import Sequence
+from pdserve.kernels.kv_layout import LayoutMismatch
+from pdserve.kvtransfer.errors import TransferError
+from pdserve.kvtransfer.sender import KVSender
+from pdserve.kvtransfer.stats import TransferStats
+from pdserve.kvtransfer.transports import make_transport
 from pdserve.logs import REQUEST_LOGGER, log_request
 from pdserve.tracing import inject, trace_id
 from pdserve.wire import PrefillJob, PrefillResult
-from prefill_service.metrics import PrefillMetrics
+from pdserve.prefill_service.metrics import PrefillMetrics
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger(REQUEST_LOGGER)

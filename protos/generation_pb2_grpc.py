@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import generation_pb2 as protos_dot_generation__pb2
+from pdserve.protos import generation_pb2 as pdserve_dot_protos_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/generation_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/protos/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.Generation/Generate',
-                request_serializer=protos_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=pdserve_dot_protos_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/pdserve.v1.Generation/Tokenize',
-                request_serializer=protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=protos_dot_generation__pb2.TokenizeResponse.FromString,
+                request_serializer=pdserve_dot_protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/pdserve.v1.Generation/ListModels',
-                request_serializer=protos_dot_generation__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=protos_dot_generation__pb2.ListModelsResponse.FromString,
+                request_serializer=pdserve_dot_protos_dot_generation__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_generation__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
 
 
@@ -80,18 +80,18 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=protos_dot_generation__pb2.TokenizeRequest.FromString,
-                    response_serializer=protos_dot_generation__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_generation__pb2.TokenizeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=protos_dot_generation__pb2.ListModelsRequest.FromString,
-                    response_serializer=protos_dot_generation__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_generation__pb2.ListModelsRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_generation__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -120,8 +120,8 @@ class Generation:
             request,
             target,
             '/pdserve.v1.Generation/Generate',
-            protos_dot_generation__pb2.GenerateRequest.SerializeToString,
-            protos_dot_generation__pb2.GenerateResponse.FromString,
+            pdserve_dot_protos_dot_generation__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_protos_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -147,8 +147,8 @@ class Generation:
             request,
             target,
             '/pdserve.v1.Generation/Tokenize',
-            protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
-            protos_dot_generation__pb2.TokenizeResponse.FromString,
+            pdserve_dot_protos_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            pdserve_dot_protos_dot_generation__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -174,8 +174,8 @@ class Generation:
             request,
             target,
             '/pdserve.v1.Generation/ListModels',
-            protos_dot_generation__pb2.ListModelsRequest.SerializeToString,
-            protos_dot_generation__pb2.ListModelsResponse.FromString,
+            pdserve_dot_protos_dot_generation__pb2.ListModelsRequest.SerializeToString,
+            pdserve_dot_protos_dot_generation__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import worker_pb2 as protos_dot_worker__pb2
+from pdserve.protos import worker_pb2 as pdserve_dot_protos_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/worker_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/protos/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,18 +37,18 @@ class DecodeServiceStub:
         """
         self.Decode = channel.unary_stream(
                 '/pdserve.v1.DecodeService/Decode',
-                request_serializer=protos_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.DecodeResponse.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Finish = channel.unary_unary(
                 '/pdserve.v1.DecodeService/Finish',
-                request_serializer=protos_dot_worker__pb2.FinishRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.FinishResponse.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.FinishRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.FinishResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdserve.v1.DecodeService/GetStats',
-                request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.WorkerStats.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
 
 
@@ -83,18 +83,18 @@ def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=protos_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
             'Finish': grpc.unary_unary_rpc_method_handler(
                     servicer.Finish,
-                    request_deserializer=protos_dot_worker__pb2.FinishRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.FinishResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.FinishRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.FinishResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=protos_dot_worker__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -123,8 +123,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/Decode',
-            protos_dot_worker__pb2.DecodeRequest.SerializeToString,
-            protos_dot_worker__pb2.DecodeResponse.FromString,
+            pdserve_dot_protos_dot_worker__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -150,8 +150,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/Finish',
-            protos_dot_worker__pb2.FinishRequest.SerializeToString,
-            protos_dot_worker__pb2.FinishResponse.FromString,
+            pdserve_dot_protos_dot_worker__pb2.FinishRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.FinishResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -177,8 +177,8 @@ class DecodeService:
             request,
             target,
             '/pdserve.v1.DecodeService/GetStats',
-            protos_dot_worker__pb2.StatsRequest.SerializeToString,
-            protos_dot_worker__pb2.WorkerStats.FromString,
+            pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,
@@ -201,18 +201,18 @@ class PrefillServiceStub:
         """
         self.Prefill = channel.unary_unary(
                 '/pdserve.v1.PrefillService/Prefill',
-                request_serializer=protos_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.PrefillResponse.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.WatchCache = channel.unary_stream(
                 '/pdserve.v1.PrefillService/WatchCache',
-                request_serializer=protos_dot_worker__pb2.WatchCacheRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.CacheEvent.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.WatchCacheRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.CacheEvent.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdserve.v1.PrefillService/GetStats',
-                request_serializer=protos_dot_worker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.WorkerStats.FromString,
+                request_serializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
 
 
@@ -244,18 +244,18 @@ def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
             'WatchCache': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchCache,
-                    request_deserializer=protos_dot_worker__pb2.WatchCacheRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.CacheEvent.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.WatchCacheRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.CacheEvent.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=protos_dot_worker__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_worker__pb2.WorkerStats.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_worker__pb2.WorkerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -283,8 +283,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/Prefill',
-            protos_dot_worker__pb2.PrefillRequest.SerializeToString,
-            protos_dot_worker__pb2.PrefillResponse.FromString,
+            pdserve_dot_protos_dot_worker__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -310,8 +310,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/WatchCache',
-            protos_dot_worker__pb2.WatchCacheRequest.SerializeToString,
-            protos_dot_worker__pb2.CacheEvent.FromString,
+            pdserve_dot_protos_dot_worker__pb2.WatchCacheRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.CacheEvent.FromString,
             options,
             channel_credentials,
             insecure,
@@ -337,8 +337,8 @@ class PrefillService:
             request,
             target,
             '/pdserve.v1.PrefillService/GetStats',
-            protos_dot_worker__pb2.StatsRequest.SerializeToString,
-            protos_dot_worker__pb2.WorkerStats.FromString,
+            pdserve_dot_protos_dot_worker__pb2.StatsRequest.SerializeToString,
+            pdserve_dot_protos_dot_worker__pb2.WorkerStats.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from engine.model_store import resolve_model
+    from pdserve.engine.model_store import resolve_model
 
     return resolve_model(None)
 
@@ -56,7 +56,7 @@ def hf_model(model_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir):
-    from gateway.tokenizer import Tokenizer
+    from pdserve.gateway.tokenizer import Tokenizer
 
     return Tokenizer(model_dir)
 

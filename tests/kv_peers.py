@@ -31,9 +31,9 @@ def _other_tasks() -> list[str]:
 
 
 def receiver_main(pipe, transport_name: str, layout: dict, num_blocks: int, timeout: float) -> None:
-    from kernels.kv_layout import KVLayout
-    from kvtransfer.receiver import KVReceiver
-    from kvtransfer.transports import make_transport, shutdown_transports
+    from pdserve.kernels.kv_layout import KVLayout
+    from pdserve.kvtransfer.receiver import KVReceiver
+    from pdserve.kvtransfer.transports import make_transport, shutdown_transports
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -97,9 +97,9 @@ def sender_main(pipe, transport_name: str, layout: dict, num_blocks: int, addres
     With stall_after_layers, each request sends that many layers, reports "stalled", and the process waits to
     be killed.
     """
-    from kernels.kv_layout import KVLayout
-    from kvtransfer.sender import KVSender
-    from kvtransfer.transports import make_transport
+    from pdserve.kernels.kv_layout import KVLayout
+    from pdserve.kvtransfer.sender import KVSender
+    from pdserve.kvtransfer.transports import make_transport
 
     async def one(sender, rid, src, dst) -> None:
         try:

@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from protos import worker_pb2, worker_pb2_grpc
+from pdserve.protos import worker_pb2, worker_pb2_grpc
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:
@@ -131,7 +131,7 @@ def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1,
     """Prefill, decode (`decode_workers` of them) and gateway on free ports; `observe` goes to all of them
     (e.g. --otlp-endpoint), and so does `everyone` (e.g. TLS flags; pass the test's own `tls` for its
     channels). With `log_dir`, each service's stderr goes to `<role>.log` there."""
-    exe = [sys.executable, "-m", "cli"]
+    exe = [sys.executable, "-m", "pdserve.cli"]
     env = {**service_env(), **(env or {})}
     g_port, h_port = free_port(), free_port()
     p_ports = [free_port() for _ in range(0 if colocated else prefill_workers)]

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks.bench_stats import RequestResult, compute_metrics, format_table, parse_goodput
-from benchmarks.load_gen import BenchRequest, make_requests, parse_sse, run_load
+from pdserve.benchmarks.bench_stats import RequestResult, compute_metrics, format_table, parse_goodput
+from pdserve.benchmarks.load_gen import BenchRequest, make_requests, parse_sse, run_load
 
 
 def req(ttft, latency, output_len, itl=None, prompt_len=10, success=True):
@@ -113,7 +113,7 @@ async def test_concurrency_cap_and_order():
 async def test_bench_against_a_live_stack(observed_stack, tmp_path):
     import argparse
 
-    from benchmarks.load_gen import add_arguments, bench
+    from pdserve.benchmarks.load_gen import add_arguments, bench
 
     stack, _, _ = observed_stack
     p = argparse.ArgumentParser()
@@ -136,7 +136,7 @@ async def test_bench_openai_backend_against_pdserve_http_api(observed_stack):
     """`pdserve bench --backend openai` drives pdserve's own OpenAI-compatible API: exact token counts."""
     import argparse
 
-    from benchmarks.load_gen import add_arguments, bench
+    from pdserve.benchmarks.load_gen import add_arguments, bench
 
     stack, _, _ = observed_stack
     p = argparse.ArgumentParser()

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_allocator import BlockAllocator, BlockOwnershipError, NoFreeBlocks
-from kernels.block_hash import prefix_hashes
+from pdserve.engine.block_allocator import BlockAllocator, BlockOwnershipError, NoFreeBlocks
+from pdserve.kernels.block_hash import prefix_hashes
 
 BS = 4
 

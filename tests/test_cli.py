@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from cli.main import build_parser
+from pdserve.cli.main import build_parser
 from tests.stack import free_port, service_env, wait_serving
 
-PDSERVE = [sys.executable, "-m", "cli"]
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
 
 def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:

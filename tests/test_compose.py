@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cli.main import build_parser
+from pdserve.cli.main import build_parser
 from tests.stack import scrape
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, CpuAttention, TorchAttention, select_backend
-from kernels import cpu_paged_attention
-from kernels.paged_attention import decode_attention, decode_mask
+from pdserve.engine.attention import AttentionMetadata, CpuAttention, TorchAttention, select_backend
+from pdserve.kernels import cpu_paged_attention
+from pdserve.kernels.paged_attention import decode_attention, decode_mask
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])
@@ -119,9 +119,9 @@ def test_without_a_compiler_auto_keeps_torch_and_cpu_says_why(tmp_path, monkeypa
 def test_engine_greedy_with_the_kernel_equals_the_torch_backend(tiny_model_dir, dtype):
     """The whole engine (chunked prefill, continuous batching, prompts of several lengths) gives the same tokens
     with the kernel as with the torch path, in bf16 as in fp32."""
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.engine.sampling_params import SamplingParams
 
     prompts = [[5, 17, 99, 3], list(range(10, 47)), [200] * 20, [i % 256 for i in range(300, 390)]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

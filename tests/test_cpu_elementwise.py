@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_elementwise
-from kernels.activation import silu_and_mul
-from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rope, rope_cache, rope_for_positions
+from pdserve.kernels import cpu_elementwise
+from pdserve.kernels.activation import silu_and_mul
+from pdserve.kernels.rms_norm import rms_norm
+from pdserve.kernels.rotary import apply_rope, rope_cache, rope_for_positions
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +72,9 @@ def test_other_dtypes_and_layouts_take_the_torch_ops(ops):
 def test_engine_greedy_tokens_with_and_without_the_kernels(tiny_model_dir):
     """The whole engine in bf16 (chunked prefill, continuous batching) gives the same tokens with the C kernels
     as with the torch ops."""
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.engine.sampling_params import SamplingParams
 
     prompts = [[5, 17, 99, 3], list(range(10, 47)), [200] * 20, [i % 256 for i in range(300, 390)]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

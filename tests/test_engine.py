@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.model import load_model
-from engine.sampling_params import SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.model import load_model
+from pdserve.engine.sampling_params import SamplingParams
 from tests.conftest import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -30,8 +30,8 @@ def test_loads_hf_directory_with_identical_logits(tiny_model_dir, tiny_hf_model)
     model = load_model(tiny_model_dir)
     engine = _engine(tiny_model_dir, num_blocks=16, block_size=4)
     ids = list(range(5, 35))
-    from engine.scheduler import ScheduledBatch
-    from engine.sequence import Sequence
+    from pdserve.engine.scheduler import ScheduledBatch
+    from pdserve.engine.sequence import Sequence
 
     seq = Sequence("a", ids, GREEDY, block_ids=engine.allocator.allocate(8))
     batch = ScheduledBatch([seq], [len(ids)], [True])

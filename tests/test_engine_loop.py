@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.engine_loop import EngineLoop, EngineStopped
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.engine_loop import EngineLoop, EngineStopped
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -40,8 +40,8 @@ def test_random_weight_twin_loads_and_matches_transformers(tiny_model_dir, tmp_p
     import torch
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.device_parity import engine_greedy, hf_greedy
-    from benchmarks.random_model import build, export_config
+    from pdserve.benchmarks.device_parity import engine_greedy, hf_greedy
+    from pdserve.benchmarks.random_model import build, export_config
 
     export_config(tiny_model_dir, tmp_path / "shipped")
     assert not list((tmp_path / "shipped").glob("*.safetensors"))

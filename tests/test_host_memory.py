@@ -7,7 +7,7 @@ import platform
 import pytest
 import torch
 
-from engine.host_memory import keep_freed_memory
+from pdserve.engine.host_memory import keep_freed_memory
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt thresholds are glibc's")

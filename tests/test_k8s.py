@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cli.main import build_parser
+from pdserve.cli.main import build_parser
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
 KUBERNETES_VERSION = "1.32"

@@ -43,8 +43,8 @@ def _cache(lengths, block_size, kv_heads, dim, dtype, seed=0):
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 8, 64), (32, 8, 128), (9, 3, 64)])
 def test_paged_decode_kernel(dtype, block_size, heads, kv_heads, dim):
-    from kernels.paged_attention import paged_attention
-    from kernels.triton_paged_attention import paged_decode_attention
+    from pdserve.kernels.paged_attention import paged_attention
+    from pdserve.kernels.triton_paged_attention import paged_decode_attention
 
     lengths = [1, 15, 16, 17, 300, 1000]
     layer, table = _cache(lengths, block_size, kv_heads, dim, dtype)
@@ -59,8 +59,8 @@ def test_paged_decode_kernel(dtype, block_size, heads, kv_heads, dim):
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pack_unpack(dtype):
-    from kernels.cache_ops import pack_blocks
-    from kernels.triton_kv_blocks import pack_blocks as tpack, unpack_blocks as tunpack
+    from pdserve.kernels.cache_ops import pack_blocks
+    from pdserve.kernels.triton_kv_blocks import pack_blocks as tpack, unpack_blocks as tunpack
 
     layer = torch.randn(2, 64, 16, 8, 128, device="cuda", dtype=dtype)
     ids = torch.randperm(64, device="cuda")[:20]
@@ -72,7 +72,7 @@ def test_pack_unpack(dtype):
 
 
 def _mixed_meta(lengths_q, lengths_k, block_size, kv_heads, dim, dtype):
-    from engine.attention import AttentionMetadata
+    from pdserve.engine.attention import AttentionMetadata
 
     layer, table = _cache(lengths_k, block_size, kv_heads, dim, dtype, seed=1)
     qsl = [0]
@@ -88,7 +88,7 @@ def _mixed_meta(lengths_q, lengths_k, block_size, kv_heads, dim, dtype):
                                      pytest.param("flash-attn", marks=needs_flash)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backend_mixed_batch_matches_torch(backend, dtype):
-    from engine.attention import TorchAttention, select_backend
+    from pdserve.engine.attention import TorchAttention, select_backend
 
     block_size = 256 if backend == "flash-attn" else 16
     lengths_q, lengths_k = [1, 37, 1, 300], [700, 37, 5, 812]
@@ -113,9 +113,9 @@ def test_backend_mixed_batch_matches_torch(backend, dtype):
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_triton),
                                      pytest.param("flash-attn", marks=needs_flash)])
 def test_engine_greedy_per_backend_equals_torch_backend(model_dir, backend):
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.engine.sampling_params import SamplingParams
 
     block_size = 256 if backend == "flash-attn" else 16
     prompts = [list(range(100, 100 + n)) for n in (3, 40, 130, 600)]

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from kernels.kv_layout import KVLayout, LayoutMismatch
-from kvtransfer.transport import parse_address
+from pdserve.kernels.kv_layout import KVLayout, LayoutMismatch
+from pdserve.kvtransfer.transport import parse_address
 from tests.kv_peers import LAYOUT, make_cache, receiver_main, sender_main
 
 CTX = mp.get_context("spawn")

@@ -1,4 +1,5 @@
-"""Imports run one way only (docs/ARCHITECTURE.md): a package never imports one above it, nothing imports tests."""
+"""Imports run one way only (docs/ARCHITECTURE.md): a layer never imports one above it, modules import each other in
+no cycle, project code is imported only as `pdserve.*`, and nothing imports tests."""
 
 from __future__ import annotations
 
@@ -7,48 +8,99 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# package -> the project packages it may import (itself included)
+# layer -> the layers it may import (itself included). "core" is the pdserve package's own modules (client, wire,
+# tracing, grpc_server, ...): what every service and client shares.
 ALLOWED = {
-    "cli": {"cli", "gateway", "prefill_service", "decode_service", "benchmarks", "pdserve", "engine", "kvtransfer",
+    "cli": {"cli", "gateway", "prefill_service", "decode_service", "benchmarks", "core", "engine", "kvtransfer",
             "kernels", "protos"},
-    "benchmarks": {"benchmarks", "pdserve", "engine", "kvtransfer", "kernels", "protos"},
-    "gateway": {"gateway", "pdserve", "protos", "kernels"},  # kernels: the block hash the workers name blocks by
-    "prefill_service": {"prefill_service", "pdserve", "engine", "kvtransfer", "kernels", "protos"},
-    "decode_service": {"decode_service", "pdserve", "engine", "kvtransfer", "kernels", "protos"},
-    "pdserve": {"pdserve", "engine", "protos"},
+    "benchmarks": {"benchmarks", "core", "engine", "kvtransfer", "kernels", "protos"},
+    "gateway": {"gateway", "core", "protos", "kernels"},  # kernels: the block hash the workers name blocks by
+    "prefill_service": {"prefill_service", "core", "engine", "kvtransfer", "kernels", "protos"},
+    "decode_service": {"decode_service", "core", "engine", "kvtransfer", "kernels", "protos"},
+    "core": {"core", "engine", "kvtransfer", "kernels", "protos"},
     "engine": {"engine", "kernels"},
     "kvtransfer": {"kvtransfer", "kernels"},
     "kernels": {"kernels"},
     "protos": {"protos"},
 }
-PROJECT = set(ALLOWED) | {"tests"}
+SUBPACKAGES = set(ALLOWED) - {"core"}
+# where each layer's sources are: the folders at the top of the repository, the CLI inside pdserve/
+FOLDERS = {layer: ROOT / layer for layer in SUBPACKAGES - {"cli"}} | {"cli": ROOT / "pdserve" / "cli"}
+TOP_LEVEL_NAMES = SUBPACKAGES | {"tests"}
 
 
-def _imports(path: Path) -> set[str]:
-    """Top-level project packages a module imports, at module level or inside functions."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+def _sources() -> dict[str, Path]:
+    """Every project module by its import name."""
+    out = {f"pdserve.{p.stem}" if p.stem != "__init__" else "pdserve": p for p in (ROOT / "pdserve").glob("*.py")}
+    for layer, folder in FOLDERS.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join(("pdserve", layer, *parts))
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in SUBPACKAGES else "core"
+
+
+def _imports(path: Path, module_level_only: bool) -> set[str]:
+    """The modules a file imports (at module level, or anywhere)."""
+    tree = ast.parse(path.read_text(), str(path))
+    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    found: set[str] = set()
+    for node in nodes:
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
-        else:
-            continue
-        found |= {n.split(".")[0] for n in names} & PROJECT
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{path}: relative import"
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
     return found
 
 
-def test_imports_only_run_downward():
+def test_imports_only_run_downward() -> None:
+    sources = _sources()
     wrong = []
-    for package, allowed in ALLOWED.items():
-        files = sorted((ROOT / package).rglob("*.py"))
-        assert files, package
-        for path in files:
-            for imported in _imports(path) - allowed:
-                wrong.append(f"{path.relative_to(ROOT)} imports {imported}")
+    for module, path in sorted(sources.items()):
+        layer = _layer(module)
+        for imported in _imports(path, module_level_only=False):
+            top = imported.split(".")[0]
+            if top in TOP_LEVEL_NAMES:
+                wrong.append(f"{path.relative_to(ROOT)} imports {imported} (project code is pdserve.*)")
+            elif top == "pdserve" and _layer(imported) not in ALLOWED[layer]:
+                wrong.append(f"{path.relative_to(ROOT)} ({layer}) imports {imported} ({_layer(imported)})")
     assert not wrong, "\n".join(wrong)
 
 
-def test_every_package_is_placed():
-    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
-    assert packages == set(ALLOWED), packages ^ set(ALLOWED)
+def test_no_import_cycle() -> None:
+    """Among module-level imports (what runs at import time): a cycle makes import order matter."""
+    sources = _sources()
+    graph = {m: {i for i in _imports(p, module_level_only=True) if i in sources and i != m}
+             for m, p in sources.items()}
+    state: dict[str, int] = {}
+    cycles: list[str] = []
+
+    def visit(module: str, stack: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [module, dep]) if dep in stack
+                              else f"{module} -> {dep}")
+            elif dep not in state:
+                visit(dep, [*stack, module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_every_package_is_placed() -> None:
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "pdserve"}
+    assert packages == SUBPACKAGES - {"cli"}, packages ^ (SUBPACKAGES - {"cli"})
+    for layer in SUBPACKAGES - {"cli"}:
+        link = ROOT / "pdserve" / layer
+        assert link.is_symlink() and link.resolve() == (ROOT / layer).resolve(), f"pdserve/{layer} -> ../{layer}"

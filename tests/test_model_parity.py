@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
-from gateway.tokenizer import Tokenizer
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.sequence import Sequence
+from pdserve.gateway.tokenizer import Tokenizer
 from tests.conftest import hf_greedy
 
 TEXTS = [

@@ -193,7 +193,7 @@ async def test_no_worker_is_unavailable(model_dir):
 
     port = free_port()
     dead = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "gateway", "--port", str(port), "--prefill", dead,
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "gateway", "--port", str(port), "--prefill", dead,
                              "--decode", dead, "--ready-timeout", "0.5"], env=service_env())
     try:
         wait_serving(f"127.0.0.1:{port}", proc)

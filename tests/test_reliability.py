@@ -13,11 +13,11 @@ import pytest
 
 from pdserve.client import Client
 from pdserve.security import TLSConfig
-from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.protos import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.certs import make_pki
 from tests.stack import channel, scrape, service_env, start_stack
 
-PDSERVE = [sys.executable, "-m", "cli"]
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +38,9 @@ def _prefill_request(kv_address: str, rid: str = "direct") -> worker_pb2.Prefill
 
 
 def _fingerprint(stack) -> str:
-    from engine.config import ModelConfig, parse_dtype
-    from engine.kv_cache import plan_kv_cache
-    from engine.model_store import resolve_model
+    from pdserve.engine.config import ModelConfig, parse_dtype
+    from pdserve.engine.kv_cache import plan_kv_cache
+    from pdserve.engine.model_store import resolve_model
 
     path = resolve_model(None)
     layout = plan_kv_cache(ModelConfig.from_dir(path), parse_dtype("float32"), 16, 128 << 20)

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from gateway.router import NoWorkerAvailable, Router
-from protos import worker_pb2
+from pdserve.gateway.router import NoWorkerAvailable, Router
+from pdserve.protos import worker_pb2
 from tests.stack import free_port
 
 
@@ -91,7 +91,7 @@ async def test_colocated_router_needs_no_prefill_worker():
 
 
 async def test_prefill_choice_weighs_cached_prefix_against_queued_work():
-    from kernels.block_hash import prefix_hashes
+    from pdserve.kernels.block_hash import prefix_hashes
 
     router = Router([f"127.0.0.1:{free_port()}" for _ in range(2)], [f"127.0.0.1:{free_port()}"])
     try:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.sampler import SampleOutput, Sampler, SamplingError, apply_penalties, candidate_mask
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampler import SampleOutput, Sampler, SamplingError, apply_penalties, candidate_mask
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def _logits_for(probs: list[float]) -> torch.Tensor:
@@ -168,7 +168,7 @@ def test_non_finite_or_negative_temperature_is_invalid(value):
 def test_two_level_inverse_cdf_matches_one_cumsum_and_skips_zero_weights():
     """A vocabulary of many chunks plus a ragged tail, weight only on a few tokens (chunk edges, the tail):
     the chunked draw picks what one cumulative sum over the row picks, and never a zero-weight token."""
-    from engine.sampler import CDF_CHUNK, _inverse_cdf
+    from pdserve.engine.sampler import CDF_CHUNK, _inverse_cdf
 
     vocab = 11 * CDF_CHUNK + 37
     weights = torch.zeros(3, vocab)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
-from gateway.tokenizer import Tokenizer
+from pdserve.gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
+from pdserve.gateway.tokenizer import Tokenizer
 
 TEXTS = ["Hello, world! How are you today?", "naïve café — 東京タワー 🍣🍜 ok", "  leading spaces\n\tand tabs",
          "emoji 👩‍👩‍👧‍👦 family and ∑ math"]

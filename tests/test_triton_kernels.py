@@ -17,10 +17,10 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="a CUDA device is present: test_kernels_cuda.py runs the kernels compiled")
 
-from kernels.cache_ops import pack_blocks, store_kv, unpack_blocks  # noqa: E402
-from kernels.paged_attention import paged_attention  # noqa: E402
-from kernels.triton_kv_blocks import pack_blocks as triton_pack, unpack_blocks as triton_unpack  # noqa: E402
-from kernels.triton_paged_attention import paged_decode_attention  # noqa: E402
+from pdserve.kernels.cache_ops import pack_blocks, store_kv, unpack_blocks  # noqa: E402
+from pdserve.kernels.paged_attention import paged_attention  # noqa: E402
+from pdserve.kernels.triton_kv_blocks import pack_blocks as triton_pack, unpack_blocks as triton_unpack  # noqa: E402
+from pdserve.kernels.triton_paged_attention import paged_decode_attention  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
@@ -107,7 +107,7 @@ def test_decode_after_store_kv_reads_what_was_written():
 
 
 def test_backend_selection_on_cpu():
-    from engine.attention import available_backends, select_backend
+    from pdserve.engine.attention import available_backends, select_backend
 
     cpu = torch.device("cpu")
     assert select_backend("auto", cpu).name == "cpu"  # the interpreter is never picked for speed
@@ -123,9 +123,9 @@ def test_backend_selection_on_cpu():
 def test_engine_greedy_with_triton_backend_equals_torch_backend(tiny_model_dir, block_size):
     """The whole engine (chunked prefill + continuous batching) gives the same tokens through the Triton
     decode kernel as through the torch reference."""
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.sampling_params import SamplingParams
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.engine.sampling_params import SamplingParams
 
     prompts = [[5, 17, 99, 3], list(range(10, 47)), [200] * 20]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -141,7 +141,7 @@ def test_engine_greedy_with_triton_backend_equals_torch_backend(tiny_model_dir, 
 
 def test_flash_attn_is_offered_only_for_the_dtypes_it_supports(monkeypatch):
     """flash-attn runs fp16/bf16 only: with fp32 (or a block size it cannot page) auto falls back to Triton."""
-    import engine.attention as attention
+    import pdserve.engine.attention as attention
 
     monkeypatch.setattr(attention, "_has", lambda module: True)
     cuda = torch.device("cuda")

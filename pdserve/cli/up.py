@@ -19,9 +19,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from cli.clients import stream_completion
-from cli.errors import CLIError
-from cli.services import engine_config, tls_config
+from pdserve.cli.clients import stream_completion
+from pdserve.cli.errors import CLIError
+from pdserve.cli.services import engine_config, tls_config
 
 _PR_SET_PDEATHSIG = 1
 
@@ -84,7 +84,7 @@ async def _wait_serving(services: list[Service], timeout: float, tls=None) -> No
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from engine.model_store import needs_conversion
+    from pdserve.engine.model_store import needs_conversion
 
     if needs_conversion(args.model):
         print("pdserve up: converting the model for first use (once; about 20 s)...", file=sys.stderr, flush=True)
@@ -104,7 +104,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                       + [("decode worker", int(a.rsplit(":", 1)[1])) for a in decode]
                       + [("metrics", p) for p in metric_ports])
 
-    exe = [sys.executable, "-m", "cli", "--log-level", args.log_level, "--log-format", args.log_format]
+    exe = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level, "--log-format", args.log_format]
     # Prefill and decode workers share this machine's cores: decode workers get them all between them (prefill
     # comes in bursts, and a decode step is latency-bound), prefill workers half, so that when both run, fewer
     # OpenMP threads than twice the cores fight over them. On 2 cores (c=1 / 8 / 32, tok/s): one thread each

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import socket
 
-from cli.errors import CLIError
+from pdserve.cli.errors import CLIError
 
 log = logging.getLogger("pdserve")
 
@@ -16,7 +16,7 @@ def model_and_dtype(model: str, dtype: str) -> tuple[str, str]:
     """Resolve the model directory, and 'auto' to the dtype its checkpoint was saved in."""
     import json
 
-    from engine.model_store import resolve_model
+    from pdserve.engine.model_store import resolve_model
 
     path = resolve_model(model)
     if dtype == "auto":
@@ -30,8 +30,8 @@ def engine_config(args: argparse.Namespace):
     KV block, a bad dtype or block size fail here, in one line."""
     from pathlib import Path
 
-    from engine.config import EngineConfig, ModelConfig, parse_dtype
-    from engine.kv_cache import plan_kv_cache
+    from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
+    from pdserve.engine.kv_cache import plan_kv_cache
 
     path, dtype = model_and_dtype(args.model, args.dtype)
     try:
@@ -120,12 +120,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
         tracing = _tracing(args)
         clients = None
         if args.command == "prefill":
-            from prefill_service.server import serve
+            from pdserve.prefill_service.server import serve
 
             running, worker = await serve(cfg, args.host, args.port, args.kv_transport, tracing=tracing,
                                           reflection=args.reflection, tls=tls)
         else:
-            from decode_service.server import serve
+            from pdserve.decode_service.server import serve
 
             colocated = args.command == "colocated"
             kv_host = "" if colocated else routable(args.kv_host or args.host)
@@ -143,7 +143,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"pdserve {args.command} ready on {args.host}:{running.port}", flush=True)
 
         async def stop() -> None:
-            from kvtransfer.transports import shutdown_transports
+            from pdserve.kvtransfer.transports import shutdown_transports
 
             await worker.close()  # new requests are refused by name; those in flight finish
             await running.server.stop(grace=30)
@@ -157,7 +157,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
         return await serve_until_signal(stop, running.failed)
 
-    from kvtransfer.transports import shutdown_transports
+    from pdserve.kvtransfer.transports import shutdown_transports
 
     try:
         return _run(main)
@@ -166,8 +166,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from engine.model_store import resolve_model
-    from gateway.server import serve
+    from pdserve.engine.model_store import resolve_model
+    from pdserve.gateway.server import serve
     from pdserve.grpc_server import serve_until_signal
 
     path = resolve_model(args.model)
@@ -178,7 +178,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         raise CLIError("give the decode workers with --decode host:port[,host:port...] (or $PDSERVE_DECODE)")
 
     async def main() -> int:
-        from gateway.metrics import GatewayMetrics
+        from pdserve.gateway.metrics import GatewayMetrics
 
         tracing, gateway_metrics = _tracing(args), GatewayMetrics()
         running, router, request_path, http = await serve(

@@ -17,10 +17,10 @@ import os
 import sys
 from importlib import metadata
 
-from cli.clients import cmd_bench, cmd_generate, cmd_health, cmd_traces
-from cli.errors import CLIError
-from cli.services import cmd_gateway, cmd_worker
-from cli.up import cmd_up
+from pdserve.cli.clients import cmd_bench, cmd_generate, cmd_health, cmd_traces
+from pdserve.cli.errors import CLIError
+from pdserve.cli.services import cmd_gateway, cmd_worker
+from pdserve.cli.up import cmd_up
 
 # prompts up to this many tokens are prefilled on the decode worker: measured on CPU (README, "Routing"), local
 # prefill won below ~128-256 tokens and lost at 256 and above
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--port", type=int, default=4318)
     tr.add_argument("--quiet", type=float, default=8.0, help="print a trace once it has been quiet this long (s)")
 
-    from benchmarks.load_gen import add_arguments as bench_arguments
+    from pdserve.benchmarks.load_gen import add_arguments as bench_arguments
 
     bench = command("bench", "load-test the gateway (or any OpenAI-compatible server): vLLM's metrics")
     bench_arguments(bench)
@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvtransfer.errors import ListenFailed
+    from pdserve.kvtransfer.errors import ListenFailed
     from pdserve.grpc_server import PortInUse
     from pdserve.logs import configure_logging
 

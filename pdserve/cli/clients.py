@@ -7,8 +7,8 @@ import asyncio
 import sys
 import time
 
-from cli.errors import CLIError
-from cli.services import model_and_dtype, tls_config
+from pdserve.cli.errors import CLIError
+from pdserve.cli.services import model_and_dtype, tls_config
 
 
 async def stream_completion(address: str, args: argparse.Namespace, out=sys.stdout) -> int:
@@ -54,11 +54,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_local(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
-    from engine.sampling_params import SamplingParams
-    from gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
-    from gateway.tokenizer import Tokenizer
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
+    from pdserve.gateway.tokenizer import Tokenizer
 
     path, dtype = model_and_dtype(args.model, args.dtype)
     cfg = EngineConfig(model=path, dtype=dtype, kv_cache_memory=256 << 20, max_num_seqs=8, device=args.device)
@@ -89,7 +89,7 @@ def cmd_traces(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from benchmarks.load_gen import bench
+    from pdserve.benchmarks.load_gen import bench
 
     record = asyncio.run(bench(args))
     if record["completed"] == 0:

@@ -1,5 +1,0 @@
-import sys
-
-from cli.main import main
-
-sys.exit(main())
