@@ -37,7 +37,7 @@ def _receiver(pipe, num_blocks: int) -> None:
 
     from pdserve.kernels.kv_layout import KVLayout
     from pdserve.kvtransfer.receiver import KVReceiver
-    from pdserve.kvtransfer.transports import make_transport
+    from pdserve.kvtransfer.backends import make_transport
 
     async def raw_handler(ep) -> None:
         while True:
@@ -99,7 +99,7 @@ async def _pdserve(sender, address: str, pipe, name: str, blocks: int, repeats: 
         pipe.send(("expect", name, rid, ids))
         assert await asyncio.to_thread(pipe.recv) == "ready"
         await sender.connect(address)
-        sender.begin(rid, address, ids, ids, "bench")
+        sender.begin(rid, address, ids, "bench")
         t0 = time.perf_counter()
         await asyncio.to_thread(lambda: [sender.send_layer(rid, layer) for layer in range(LAYOUT["num_layers"])])
         stats = await sender.finish(rid)
@@ -133,7 +133,7 @@ def main() -> None:
 
     from pdserve.kernels.kv_layout import KVLayout
     from pdserve.kvtransfer.sender import KVSender
-    from pdserve.kvtransfer.transports import make_transport
+    from pdserve.kvtransfer.backends import make_transport
 
     max_blocks = max(-(-t // LAYOUT["block_size"]) for t in args.tokens)
     ctx = mp.get_context("spawn")
@@ -170,7 +170,7 @@ def main() -> None:
     pipe.send(("stop",))
     pipe.recv()
     proc.join(10)
-    from pdserve.kvtransfer.transports import shutdown_transports
+    from pdserve.kvtransfer.backends import shutdown_transports
 
     shutdown_transports()
     if args.json:

@@ -6,7 +6,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.engine_core import EngineStats
 from pdserve.metrics_server import BATCH_BUCKETS, E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 
 
@@ -42,10 +42,10 @@ class DecodeMetrics:
         self.kv_blocks = Gauge("pdserve_decode_kv_blocks", "KV blocks by state.", ["state"], registry=r)
         self.kv_usage = Gauge("pdserve_decode_kv_cache_usage_ratio", "Used KV blocks over all blocks.", registry=r)
 
-    def bind_state(self, running: Callable[[], int], waiting: Callable[[], int], allocator: BlockAllocator) -> None:
-        """Read gauges from the worker at scrape time, so the hot path never updates them."""
-        self.running.set_function(running)
-        self.waiting.set_function(waiting)
-        self.kv_blocks.labels("used").set_function(lambda: allocator.num_used_blocks)
-        self.kv_blocks.labels("free").set_function(lambda: allocator.num_free_blocks)
-        self.kv_usage.set_function(lambda: allocator.num_used_blocks / allocator.num_blocks)
+    def bind_state(self, stats: Callable[[], EngineStats]) -> None:
+        """Read gauges from the engine's stats at scrape time, so the hot path never updates them."""
+        self.running.set_function(lambda: stats().running)
+        self.waiting.set_function(lambda: (s := stats()).waiting + s.reserving + s.awaiting_kv)
+        self.kv_blocks.labels("used").set_function(lambda: stats().kv_blocks_used)
+        self.kv_blocks.labels("free").set_function(lambda: (s := stats()).kv_blocks_total - s.kv_blocks_used)
+        self.kv_usage.set_function(lambda: (s := stats()).kv_blocks_used / s.kv_blocks_total)

@@ -11,12 +11,13 @@ from typing import Sequence
 
 import grpc
 
-from pdserve.decode_service.worker import DecodeWorker, PoolExhausted, TokenEvent, WorkerClosing
+from pdserve.decode_service.observe import DecodeObserver
+from pdserve.decode_service.worker import DecodeWorker, TokenEvent
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine_loop import EngineStopped
-from pdserve.engine.sampler import SamplingError
-from pdserve.kvtransfer.errors import TransferError
+from pdserve.engine.sampling_params import InvalidParameter
+from pdserve.errors import PrefillNotAllowed, status_of
 from pdserve.failure import failure_metadata
+from pdserve.kvtransfer.errors import TransferError
 from pdserve.grpc_server import RunningServer, open_channel, records_cancellation, start_server
 from pdserve.discovery import resolve_ipv4
 from pdserve.security import TLSConfig
@@ -97,37 +98,28 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         stream_id = secrets.token_hex(12)
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        here = failure_metadata("decode", self.address)
-        prefill = failure_metadata("prefill", request.prefill_address)
-        if request.prefill_address and self.prefill is not None and not await self.prefill.allows(
-                request.prefill_address):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"decode worker {self.address} does not dial prefill worker "
-                                f"{request.prefill_address}: not among those it was started with", here)
+        prefill = request.prefill_address
         first = True
         try:
-            async for events in self.worker.generate(rid, list(request.prompt_token_ids), params,
-                                                     request.prefill_address, stream_id, deadline):
+            if prefill and self.prefill is not None and not await self.prefill.allows(prefill):
+                raise PrefillNotAllowed(f"does not dial prefill worker {prefill}: not among those it was started "
+                                        "with")
+            async for events in self.worker.generate(rid, list(request.prompt_token_ids), params, prefill,
+                                                     stream_id, deadline):
                 msg = _response(events, params.logprobs is not None)
                 if first:
                     msg.stream_id, first = stream_id, False
                 yield msg
-        except SamplingError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, f"decode worker {self.address}: {e}", here)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), failure_metadata("decode", self.address, e))
-        except PoolExhausted as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"decode worker {self.address}: {e}", here)
-        except WorkerClosing as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.address}: {e}", here)
         except grpc.aio.AioRpcError as e:
             # the prefill worker's status, passed on (UNAVAILABLE lets the gateway retry elsewhere)
-            await context.abort(e.code(), f"prefill worker {request.prefill_address}: {e.details()}", prefill)
+            await context.abort(e.code(), f"prefill worker {prefill}: {e.details()}",
+                                failure_metadata("prefill", prefill))
         except TransferError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"KV transfer from prefill worker {request.prefill_address} failed: {e}", prefill)
-        except EngineStopped as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.address}: {e}", here)
+            await context.abort(status_of(e), f"KV transfer from prefill worker {prefill} failed: {e}",
+                                failure_metadata("prefill", prefill))
+        except Exception as e:  # noqa: BLE001 - every failure is reported with its status (errors.STATUS)
+            message = str(e) if isinstance(e, InvalidParameter) else f"decode worker {self.address}: {e}"
+            await context.abort(status_of(e), message, failure_metadata("decode", self.address, e))
 
     async def Finish(self, request: worker_pb2.FinishRequest, context) -> worker_pb2.FinishResponse:
         reason = {v: k for k, v in FINISH_REASONS.items()}.get(request.reason) or "stop"
@@ -148,8 +140,8 @@ async def serve(cfg: EngineConfig, host: str, port: int, transport: str, kv_host
     clients = None if colocated else PrefillClients(prefill_timeout, tracing.client_interceptors(), tls,
                                                     allowed_prefill)
     worker = DecodeWorker(cfg, clients, transport=transport, kv_host=kv_host, kv_port=kv_port, max_queued=max_queued,
-                          local_prefill_max_tokens=local_prefill_max_tokens, tracer=tracing.tracer,
-                          threads_while_prefilling=threads_while_prefilling)
+                          local_prefill_max_tokens=local_prefill_max_tokens,
+                          observer=DecodeObserver(tracing.tracer), threads_while_prefilling=threads_while_prefilling)
     try:
         await worker.start()
         running = await start_server(

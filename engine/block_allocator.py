@@ -35,8 +35,7 @@ class PrefixAllocation:
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 on_cache_change: CacheListener | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -49,7 +48,16 @@ class BlockAllocator:
         self._cached: dict[int, int] = {}
         self.prefix_queries = 0
         self.prefix_hit_tokens = 0
-        self.on_cache_change = on_cache_change  # (stored hashes, removed hashes): what the prefix cache now holds
+        self._listeners: list[CacheListener] = []  # told (stored hashes, removed hashes) as the cache changes
+
+    def subscribe(self, listener: CacheListener) -> Callable[[], None]:
+        """Have `listener` told what the prefix cache stores and evicts; returns the call that unsubscribes."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def _changed(self, stored: list[int], removed: list[int]) -> None:
+        for listener in self._listeners:
+            listener(stored, removed)
 
     @property
     def num_free_blocks(self) -> int:
@@ -151,16 +159,15 @@ class BlockAllocator:
                 self.block_hash[block] = h
                 self._cached[h] = block
                 stored.append(h)
-        if stored and self.on_cache_change is not None:
-            self.on_cache_change(stored, [])
+        if stored:
+            self._changed(stored, [])
 
     def _uncache(self, block: int) -> None:
         h = self.block_hash[block]
         if h is not None:
             del self._cached[h]
             self.block_hash[block] = None
-            if self.on_cache_change is not None:
-                self.on_cache_change([], [h])
+            self._changed([], [h])
 
     def cached_hashes(self) -> list[int]:
         """Every block hash the prefix cache holds now."""

@@ -5,15 +5,22 @@ A step is schedule -> forward + sample -> update. Every role runs this same core
 loop and `execute` on a model thread, so scheduler state is only ever touched from one thread. What differs
 between roles is what they feed in (prompts, or sequences whose KV a prefill worker already wrote) and what they
 do with each output (stream it, or ship the prompt's KV).
+
+The methods in the first two sections are the facade the worker roles use (requests, reservations for KV that
+comes from elsewhere, a stats snapshot, the prefix cache's changes); the runner, allocator and scheduler behind
+it are this core's own.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 from typing import Sequence as Seq
 
-from pdserve.engine.block_allocator import BlockAllocator
+import torch
+
+from pdserve.engine.block_allocator import BlockAllocator, CacheListener
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model import LlamaForCausalLM
 from pdserve.engine.model_runner import LayerHook, ModelRunner
@@ -21,7 +28,8 @@ from pdserve.engine.request_check import check_request
 from pdserve.engine.sampler import SampleOutput, SamplingError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.kernels.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +60,40 @@ class StepOutput:
         return self.seq.is_finished
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine's pool and queues (what a worker reports to the router)."""
+
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int  # holding a prefix-cache entry (in use or not)
+    kv_blocks_evictable: int  # cached blocks no sequence holds: free to take, kept for prefix hits until then
+    block_size: int
+    running: int
+    waiting: int  # to be computed here
+    reserving: int  # queued for blocks to receive KV computed elsewhere
+    awaiting_kv: int  # blocks reserved, KV being written by another process
+    queued_tokens: int  # tokens of waiting sequences not computed yet
+    prefilling_tokens: int  # tokens of running sequences not computed yet (chunked prompts in progress)
+    prefix_hit_tokens: int
+    max_model_len: int
+    preemptions_total: int
+
+
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, model: LlamaForCausalLM | None = None) -> None:
+    """`receives_kv`: other processes write KV into this engine's blocks (a decode worker), so reservations keep
+    a watermark of blocks free and `max_reserving` of them may queue for blocks."""
+
+    def __init__(self, cfg: EngineConfig, model: LlamaForCausalLM | None = None, receives_kv: bool = False,
+                 max_reserving: int = 256) -> None:
         self.runner = ModelRunner.from_config(cfg, model)
         self.model_config = self.runner.config
-        self.layout = self.runner.layout
         self.max_model_len = min(cfg.max_model_len or 1 << 62, self.model_config.max_position_embeddings)
-        self.allocator = BlockAllocator(self.layout.num_blocks, self.layout.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        layout = self.runner.layout
+        self.allocator = BlockAllocator(layout.num_blocks, layout.block_size, cfg.enable_prefix_caching)
+        self.watermark = max(1, layout.num_blocks // 100) if receives_kv else 0
+        self.scheduler = Scheduler(self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.watermark,
+                                   max_reserving)
         self.in_step: set[Sequence] = set()  # sequences in the forward in flight: their blocks are in use
         self._abort_after_step: set[Sequence] = set()
         self.num_preemptions = 0
@@ -67,23 +101,51 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------------------------
 
     @property
+    def layout(self) -> KVLayout:
+        return self.runner.layout
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The paged KV cache (`layout`'s shape): what a KV sender reads from and a receiver writes into."""
+        return self.runner.kv_cache
+
+    @property
     def pool_tokens(self) -> int:
         return self.allocator.num_blocks * self.allocator.block_size
 
-    def check(self, token_ids: Seq[int], params: SamplingParams, reserved_blocks: int = 0,
-              new_tokens: int | None = None) -> None:
-        """ValueError, naming what is wrong, for a request that could never run here."""
+    def blocks_needed(self, num_tokens: int) -> int:
+        return self.allocator.blocks_needed(num_tokens)
+
+    def check(self, token_ids: Seq[int], params: SamplingParams, new_tokens: int | None = None) -> None:
+        """InvalidParameter, naming what is wrong, for a request that could never run here. `new_tokens`: how
+        many tokens this engine adds to it (a prefill worker: 1); default `max_tokens`."""
         check_request(token_ids, params, self.model_config.vocab_size, self.max_model_len,
-                      (self.allocator.num_blocks - reserved_blocks) * self.allocator.block_size, new_tokens)
+                      (self.allocator.num_blocks - self.watermark) * self.allocator.block_size, new_tokens)
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence whose KV is still to be computed (a prompt, or a sequence to recompute)."""
         self.scheduler.add(seq)
 
-    def add_prefilled(self, seq: Sequence) -> None:
-        """Run a sequence whose KV for every token but the last is already in its blocks (written by a prefill
-        worker): it joins the running batch directly."""
-        self.scheduler.add_running(seq)
+    def reserve(self, seq: Sequence) -> bool:
+        """Blocks for every token of `seq`, which another process will fill (its remote prefill): True when
+        reserved now, False when it queues for them (`grant` hands them out later, in arrival order).
+        PoolExhausted when that queue is full. `abort` releases a reservation in any state."""
+        return self.scheduler.reserve(seq)
+
+    def grant(self) -> list[Sequence]:
+        """Blocks came back: the queued reservations that got theirs now."""
+        return self.scheduler.grant()
+
+    def land(self, seq: Sequence, token_id: int, cached_tokens: int = 0) -> None:
+        """A reserved sequence's KV has landed and the process that computed it sampled `token_id`: the sequence
+        runs here from that token, or, if that token ended it, is finished and its blocks freed."""
+        assert seq.status is SequenceStatus.AWAITING_KV, seq.status
+        seq.num_cached_tokens = cached_tokens
+        seq.append(token_id, self.model_config.eos_token_ids, self.max_model_len)
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq, seq.finish_reason)
+        else:
+            self.scheduler.land(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Stop a sequence (if it still runs) and free its blocks; a sequence in the forward in flight is
@@ -174,10 +236,31 @@ class EngineCore:
                     raise out.error
         return [s.output_ids for s in seqs]
 
-    def stats(self) -> dict:
-        """What a worker reports about its pool and batch."""
-        return {"kv_blocks_total": self.allocator.num_blocks, "kv_blocks_used": self.allocator.num_used_blocks,
-                "kv_blocks_cached": self.allocator.num_cached_blocks, "block_size": self.allocator.block_size,
-                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "prefix_hit_tokens": self.allocator.prefix_hit_tokens, "max_model_len": self.max_model_len,
-                "preemptions_total": self.num_preemptions}
+    # ---- what it holds ---------------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """Safe to call from another thread (a metrics scrape): it copies the queues before reading them."""
+        sched, alloc = self.scheduler, self.allocator
+        return EngineStats(
+            kv_blocks_total=alloc.num_blocks, kv_blocks_used=alloc.num_used_blocks,
+            kv_blocks_cached=alloc.num_cached_blocks, kv_blocks_evictable=alloc.num_evictable_blocks,
+            block_size=alloc.block_size, running=len(sched.running),
+            waiting=len(sched.waiting), reserving=len(sched.reserving), awaiting_kv=len(sched.awaiting_kv),
+            queued_tokens=sum(len(s.token_ids) - s.num_computed_tokens for s in list(sched.waiting)),
+            prefilling_tokens=sum(len(s.token_ids) - s.num_computed_tokens for s in list(sched.running)),
+            prefix_hit_tokens=alloc.prefix_hit_tokens, max_model_len=self.max_model_len,
+            preemptions_total=self.num_preemptions)
+
+    @property
+    def num_awaiting_kv(self) -> int:
+        """Sequences whose KV another process is computing for this engine now."""
+        return len(self.scheduler.awaiting_kv)
+
+    def subscribe_cache(self, listener: CacheListener) -> Callable[[], None]:
+        """Call `listener(stored, removed)` with the block hashes the prefix cache gains and loses; returns the
+        call that unsubscribes."""
+        return self.allocator.subscribe(listener)
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds now."""
+        return self.allocator.cached_hashes()

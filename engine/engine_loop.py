@@ -42,7 +42,7 @@ class EngineLoop:
 
     def __init__(self, build_core: Callable[[], EngineCore], name: str, layer_hooks: LayerHooks | None = None,
                  on_step: StepObserver | None = None, on_fatal: Callable[[BaseException], None] | None = None,
-                 on_blocks_freed: Callable[[], None] | None = None, step_threads: StepThreads | None = None) -> None:
+                 step_threads: StepThreads | None = None) -> None:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-model")
         try:
             self.core = self._executor.submit(build_core).result()
@@ -53,10 +53,10 @@ class EngineLoop:
         self.layer_hooks = layer_hooks
         self.on_step = on_step
         self.on_fatal = on_fatal
-        self.on_blocks_freed = on_blocks_freed
         self.step_threads = step_threads  # torch threads for the next forward (None: leave as they are)
         self.error: BaseException | None = None  # why the loop died, if it did
         self._sinks: dict[Sequence, Sink] = {}
+        self._reservations: dict[Sequence, asyncio.Future] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -80,17 +80,38 @@ class EngineLoop:
 
     # ---- requests ------------------------------------------------------------------------------------------
 
-    def submit(self, seq: Sequence, sink: Sink, prefilled: bool = False) -> None:
-        """Run `seq` (its KV already written for every token but the last when `prefilled`); `sink` gets each
-        of its new tokens, the last one with `finished` set, or the exception that ended it."""
+    def submit(self, seq: Sequence, sink: Sink) -> None:
+        """Run `seq`; `sink` gets each of its new tokens, the last one with `finished` set, or the exception that
+        ended it."""
+        self._check_alive()
+        self._sinks[seq] = sink
+        self.core.add(seq)
+        self._wakeup.set()
+
+    async def reserve(self, seq: Sequence) -> None:
+        """Hold blocks for `seq`'s KV, which another process computes, waiting in arrival order while the pool is
+        full (PoolExhausted when too many wait already). However it ends, `abort` releases what it holds."""
+        self._check_alive()
+        if self.core.reserve(seq):
+            return
+        granted = self._reservations[seq] = asyncio.get_running_loop().create_future()
+        try:
+            await granted
+        finally:
+            self._reservations.pop(seq, None)
+
+    def land(self, seq: Sequence, token_id: int, cached_tokens: int, sink: Sink) -> None:
+        """`seq`'s KV has landed and `token_id` was sampled where it was computed: run it from there (unless that
+        token ended it); `sink` as for `submit`."""
+        self._check_alive()
+        self.core.land(seq, token_id, cached_tokens)
+        if not seq.is_finished:
+            self._sinks[seq] = sink
+            self._wakeup.set()
+
+    def _check_alive(self) -> None:
         if self.error is not None:
             raise EngineStopped(f"{self.name} engine loop is not running: {self.error!r}")
-        self._sinks[seq] = sink
-        if prefilled:
-            self.core.add_prefilled(seq)
-        else:
-            self.core.add(seq)
-        self._wakeup.set()
 
     def abort(self, seq: Sequence) -> None:
         """Stop `seq` now (or after the forward in flight) and free its blocks; its sink hears nothing more.
@@ -102,10 +123,12 @@ class EngineLoop:
         self.blocks_freed()
 
     def blocks_freed(self) -> None:
-        """Blocks went back to the pool: the scheduler (and anyone else waiting for blocks) may look again."""
+        """Blocks went back to the pool: the scheduler may look again, and queued reservations may get theirs."""
         self._wakeup.set()
-        if self.on_blocks_freed is not None:
-            self.on_blocks_freed()
+        for seq in self.core.grant():
+            granted = self._reservations.get(seq)
+            if granted is not None and not granted.done():
+                granted.set_result(None)
 
     @property
     def num_sequences(self) -> int:
@@ -124,6 +147,9 @@ class EngineLoop:
             sinks, self._sinks = self._sinks, {}
             for sink in sinks.values():
                 sink(EngineStopped(f"{self.name} worker failed: {e!r}"))
+            for granted in self._reservations.values():
+                if not granted.done():
+                    granted.set_exception(EngineStopped(f"{self.name} worker failed: {e!r}"))
             if self.on_fatal is not None:
                 self.on_fatal(e)
 

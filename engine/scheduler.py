@@ -6,6 +6,12 @@ limit and the block pool allow. One rule covers prefill, chunked prefill, decode
 preemption: a sequence computes the tokens it has not computed yet, and samples when it reaches its last one.
 When the pool runs dry, the most recently admitted sequence is preempted: its blocks are freed and it rejoins
 the front of the queue to be recomputed later.
+
+A sequence whose KV another process computes (a decode worker's remote prefill) is *reserved* instead: it takes
+blocks for its tokens at once, or queues for them in arrival order (RESERVING), then waits for its KV (AWAITING_KV)
+and joins the running batch when it has landed. A reservation is granted only while the running batch keeps a
+block of headroom per sequence: blocks held for prompts still queued at a prefill worker must not starve the
+sequences that are generating (they would be preempted and recomputed, over and over).
 """
 
 from __future__ import annotations
@@ -41,13 +47,22 @@ class ScheduledBatch:
         return self.sampling[i]
 
 
+class PoolExhausted(RuntimeError):
+    """No KV blocks to reserve now, and the queue of reservations waiting for them is full."""
+
+
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 watermark: int = 0, max_reserving: int = 256) -> None:
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark = watermark  # blocks a reservation always leaves free
+        self.max_reserving = max_reserving
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.reserving: deque[Sequence] = deque()
+        self.awaiting_kv: dict[Sequence, None] = {}
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -61,6 +76,48 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ---- sequences whose KV comes from elsewhere -------------------------------------------------------------
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Blocks for every token of `seq`, for another process to fill: True when reserved now (AWAITING_KV),
+        False when queued (RESERVING) until `grant` hands them out. PoolExhausted when that queue is full."""
+        if not self.reserving and self._can_grant(seq):
+            self._take_reservation(seq)
+            return True
+        if len(self.reserving) >= self.max_reserving:
+            raise PoolExhausted(f"KV pool full ({self.allocator.num_free_blocks} blocks free) and "
+                                f"{len(self.reserving)} requests already waiting")
+        seq.status = SequenceStatus.RESERVING
+        self.reserving.append(seq)
+        return False
+
+    def grant(self) -> list[Sequence]:
+        """Reserve blocks for queued reservations, in arrival order, while the headroom allows; returns them."""
+        granted = []
+        while self.reserving and self._can_grant(self.reserving[0]):
+            seq = self.reserving.popleft()
+            self._take_reservation(seq)
+            granted.append(seq)
+        return granted
+
+    def land(self, seq: Sequence) -> None:
+        """Its KV has landed (every token but the last): the sequence joins the running batch."""
+        del self.awaiting_kv[seq]
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _can_grant(self, seq: Sequence) -> bool:
+        need = self.allocator.blocks_needed(len(seq.token_ids))
+        return self.allocator.num_free_blocks - need >= self.watermark + len(self.running)
+
+    def _take_reservation(self, seq: Sequence) -> None:
+        seq.block_ids = self.allocator.allocate(self.allocator.blocks_needed(len(seq.token_ids)))
+        seq.status = SequenceStatus.AWAITING_KV
+        self.awaiting_kv[seq] = None
+
+    # ---- the step ----------------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -121,6 +178,10 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SequenceStatus.RESERVING:
+            self.reserving.remove(seq)
+        elif seq.status is SequenceStatus.AWAITING_KV:
+            del self.awaiting_kv[seq]
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if free:

@@ -13,7 +13,9 @@ _seq_ids = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
+    WAITING = "waiting"  # its KV is to be computed here
+    RESERVING = "reserving"  # its KV comes from another process: queued for the blocks to receive it
+    AWAITING_KV = "awaiting_kv"  # blocks reserved; another process is writing its KV into them
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -92,3 +92,10 @@ class KVLayout:
         diff = [f"{k}: {mine[k]!r} here vs {theirs[k]!r} there" for k in mine if mine[k] != theirs[k]]
         if diff:
             raise LayoutMismatch("KV layout mismatch (" + "; ".join(diff) + ")")
+
+
+def contiguous_run(ids: list[int]) -> tuple[int, int] | None:
+    """(start, end) if ids are start, start+1, ..., end-1: blocks that one slice of the cache holds."""
+    if ids and ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])):
+        return ids[0], ids[-1] + 1
+    return None

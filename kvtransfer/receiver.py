@@ -2,16 +2,17 @@
 
 The cache's owner first says which blocks a transfer will fill and with which secret (`expect`), then hands
 the address, transfer id and secret to a sender over an authenticated channel. On a connection the sender
-first proves its layout is compatible (`hello`), then names the transfer, its blocks and its secret (`begin`);
-each message after that carries one or more consecutive layers: K and V of its blocks, in block-id order. A
+first proves its layout is compatible (`hello`), then names the transfer, its block count and its secret
+(`begin`); each message after that carries one or more consecutive layers: K and V of its blocks, which land in
+the reserved blocks in reservation order (the peer never says where bytes go: `messages.py`). A
 layer whose blocks form one contiguous run is received straight into the cache; scattered blocks go through a
 staging buffer and are scattered on arrival. The transfer's future resolves once every layer has landed (only
 then are the blocks ready), or fails on timeout (counted from `begin`), on the sender's abort, or when the
 connection that was feeding it breaks.
 
-Nothing a peer says is trusted: header sizes are capped by the transport, every field is type-checked, a
-`begin` with the wrong secret or any message that breaks the protocol closes the connection without reading
-its payload, and payload sizes come from the reservation, never from the peer. Late layers of a transfer that
+Nothing a peer says is trusted: header sizes are capped by the transport, every field is type-checked
+(`messages.decode`), a `begin` with the wrong secret or any message that breaks the protocol closes the connection
+without reading its payload, and payload sizes come from the reservation, never from the peer. Late layers of a transfer that
 was begun correctly and then cancelled are read and dropped (their size is the reservation's).
 """
 
@@ -27,22 +28,16 @@ import numpy as np
 import torch
 
 from pdserve.kernels.cache_ops import scatter_blocks
-from pdserve.kernels.kv_layout import KVLayout, LayoutMismatch
+from pdserve.kernels.kv_layout import KVLayout, LayoutMismatch, contiguous_run
 from pdserve.kvtransfer.errors import PeerDisconnected, ProtocolError, TransferCancelled, TransferError, TransferTimeout
+from pdserve.kvtransfer.messages import (MAX_ERROR, MAX_TRANSFER_ID, Abort, Begin, Bye, Done, Error, Hello, HelloErr,
+                                         HelloOk, Layer)
 from pdserve.kvtransfer.stats import StatsHook, TransferStats
 from pdserve.kvtransfer.transport import Connection, Listener, Transport, as_bytes
 
 log = logging.getLogger(__name__)
 
-MAX_TRANSFER_ID = 128
 MAX_OPEN_PER_CONNECTION = 4096
-
-
-def contiguous_run(ids: list[int]) -> tuple[int, int] | None:
-    """(start, end) if ids are start, start+1, ..., end-1."""
-    if ids and ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])):
-        return ids[0], ids[-1] + 1
-    return None
 
 
 @dataclass
@@ -57,23 +52,6 @@ class _Expected:
     started: float = 0.0
     timer: asyncio.TimerHandle | None = None
     receiving: asyncio.Future | None = None  # resolves when a receive into the blocks in flight ends
-
-
-def _field(header: dict, name: str, kind: type, limit: int | None = None):
-    """A header field of the given type (and length); anything else is a protocol error."""
-    value = header.get(name)
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
-        raise ProtocolError(f"header field {name!r} must be {kind.__name__}")
-    if limit is not None and len(value) > limit:
-        raise ProtocolError(f"header field {name!r} is longer than {limit}")
-    return value
-
-
-def _int_list(header: dict, name: str, limit: int, upper: int) -> list[int]:
-    values = _field(header, name, list, limit)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < upper for v in values):
-        raise ProtocolError(f"header field {name!r} must hold integers in [0, {upper})")
-    return values
 
 
 class KVReceiver:
@@ -164,37 +142,35 @@ class KVReceiver:
         conn_id = next(self._conn_ids)
         begun: dict[str, int] = {}  # transfers begun on this connection -> their block count (what a layer is)
         try:
-            hello = await asyncio.wait_for(conn.recv_header(), self.timeout)
-            if hello.get("type") != "hello" or not isinstance(hello.get("layout"), dict):
-                raise ProtocolError(f"expected hello, got {hello.get('type')!r}")
+            hello = await asyncio.wait_for(conn.recv(), self.timeout)
+            if not isinstance(hello, Hello):
+                raise ProtocolError(f"expected hello, got {hello.kind!r}")
             try:
-                self.layout.check_compatible(KVLayout.from_dict(hello["layout"]))
+                self.layout.check_compatible(KVLayout.from_dict(hello.layout))
             except (LayoutMismatch, TypeError, ValueError) as e:
-                await conn.send({"type": "hello_err", "error": str(e)})
+                await conn.send(HelloErr(str(e)))
                 log.warning("refused KV sender %s: %s", conn.peer, e)
                 return
-            await conn.send({"type": "hello_ok", "layout": self.layout.to_dict()})
+            await conn.send(HelloOk(self.layout.to_dict()))
             while True:
-                header = await conn.recv_header()
-                kind = header.get("type")
-                if kind == "begin":
-                    err = self._on_begin(conn_id, header, begun)
+                msg = await conn.recv()
+                if isinstance(msg, Begin):
+                    err = self._on_begin(conn_id, msg, begun)
                     if err:
-                        await conn.send({"type": "error", "req": header["req"], "error": err})
-                elif kind == "layer":
-                    done = await self._on_layer(conn, conn_id, header, begun)
+                        await conn.send(Error(msg.req, err))
+                elif isinstance(msg, Layer):
+                    done = await self._on_layer(conn, conn_id, msg, begun)
                     if done is not None:
-                        await conn.send({"type": "done", "req": done})
-                elif kind == "abort":
-                    tid = _field(header, "req", str, MAX_TRANSFER_ID)
-                    begun.pop(tid, None)
-                    exp = self._expected.get(tid)
+                        await conn.send(Done(done))
+                elif isinstance(msg, Abort):
+                    begun.pop(msg.req, None)
+                    exp = self._expected.get(msg.req)
                     if exp is not None and exp.conn_id == conn_id:
-                        self._fail(tid, TransferError(f"sender aborted: {str(header.get('error', ''))[:200]}"))
-                elif kind == "bye":
+                        self._fail(msg.req, TransferError(f"sender aborted: {msg.error[:MAX_ERROR]}"))
+                elif isinstance(msg, Bye):
                     return
                 else:
-                    raise ProtocolError(f"unknown message type {kind!r}")
+                    raise ProtocolError(f"a sender does not send {msg.kind!r}")
         except ProtocolError as e:
             self.refused_connections += 1
             log.warning("closing KV connection from %s: %s", conn.peer, e)
@@ -208,27 +184,26 @@ class KVReceiver:
             if exp.conn_id == conn_id:
                 self._fail(tid, error)
 
-    def _on_begin(self, conn_id: int, h: dict, begun: dict[str, int]) -> str | None:
-        """A sender names a transfer, its blocks and its secret; returns an error text for a transfer this
-        receiver does not expect (any more). A wrong secret is a protocol error."""
-        tid = _field(h, "req", str, MAX_TRANSFER_ID)
-        blocks = _int_list(h, "blocks", self.layout.num_blocks, self.layout.num_blocks)
-        secret = _field(h, "secret", str, 256)
-        if tid in begun or len(begun) >= MAX_OPEN_PER_CONNECTION:
-            raise ProtocolError(f"transfer {tid} begun twice, or too many open transfers")
+    def _on_begin(self, conn_id: int, msg: Begin, begun: dict[str, int]) -> str | None:
+        """A sender names a transfer, how many blocks it sends and its secret; returns an error text for a
+        transfer this receiver does not expect (any more). A wrong secret is a protocol error."""
+        tid = msg.req
+        if not tid or tid in begun or len(begun) >= MAX_OPEN_PER_CONNECTION or msg.blocks > self.layout.num_blocks:
+            raise ProtocolError(f"transfer {tid!r} begun twice, too many open transfers, or more blocks than a pool")
         exp = self._expected.get(tid)
-        if exp is not None and not hmac.compare_digest(secret.encode(), exp.secret.encode()):
+        if exp is not None and not hmac.compare_digest(msg.secret.encode(), exp.secret.encode()):
             raise ProtocolError(f"wrong secret for transfer {tid}")
-        begun[tid] = len(blocks)
+        begun[tid] = msg.blocks
         if exp is None or exp.conn_id:
             self.discarded_messages += 1
             return "transfer not expected (cancelled or unknown)"
-        if blocks != exp.block_ids:
-            self._fail(tid, TransferError(f"transfer {tid}: the sender targets other blocks than reserved"))
-            return "block ids do not match the reservation"
+        if msg.blocks != len(exp.block_ids):
+            self._fail(tid, TransferError(f"transfer {tid}: the sender has {msg.blocks} blocks for a reservation "
+                                          f"of {len(exp.block_ids)}"))
+            return "block count does not match the reservation"
         exp.conn_id = conn_id
-        if isinstance(h.get("trace"), dict):
-            exp.stats.trace = {str(k)[:64]: str(v)[:256] for k, v in list(h["trace"].items())[:8]}
+        assert exp.stats is not None
+        exp.stats.trace = dict(msg.trace)
         self._arm(exp)
         return None
 
@@ -240,19 +215,19 @@ class KVReceiver:
             self.timeout, self._fail, exp.transfer_id,
             TransferTimeout(f"transfer {exp.transfer_id}: no KV for {self.timeout:.1f}s"))
 
-    async def _on_layer(self, conn: Connection, conn_id: int, h: dict, begun: dict[str, int]) -> str | None:
+    async def _on_layer(self, conn: Connection, conn_id: int, msg: Layer, begun: dict[str, int]) -> str | None:
         """Land one message of one or more consecutive layers; returns the transfer id if that completed it."""
-        tid = _field(h, "req", str, MAX_TRANSFER_ID)
-        layers = _int_list(h, "layers", self.layout.num_layers, self.layout.num_layers)
-        n = _field(h, "n", int)
-        if begun.get(tid) != n or not layers:
-            raise ProtocolError(f"layer message for transfer {tid} that was not begun here with {n} blocks")
+        tid, layers, n = msg.req, msg.layers, msg.blocks
+        if begun.get(tid) != n or len(layers) > self.layout.num_layers or \
+                any(layer >= self.layout.num_layers for layer in layers):
+            raise ProtocolError(f"layer message for transfer {tid} that was not begun here with {n} blocks, or "
+                                "for layers this layout does not have")
         payloads = 2 * len(layers)
         exp = self._expected.get(tid)
         if exp is None or exp.conn_id != conn_id or any(layer in exp.layers_done for layer in layers):
             self.discarded_messages += 1  # cancelled since it began: read what was sent, drop it, say so
             await conn.recv_many([np.empty(n * self.layout.page_nbytes, dtype=np.uint8) for _ in range(payloads)])
-            await conn.send({"type": "error", "req": tid, "error": "transfer not expected (cancelled or unknown)"})
+            await conn.send(Error(tid, "transfer not expected (cancelled or unknown)"))
             return None
         blocks = exp.block_ids
         if not exp.started:

@@ -5,7 +5,8 @@ first — and registers the request. `send_layer` is called from the forward pas
 is written: it snapshots the layer's blocks (a view when they are one contiguous run, else a packed copy) and
 queues one message. A single writer task per connection sends queued messages in order, so several requests
 share the connection; in-flight bytes are bounded, which makes a fast forward wait for a slow wire.
-`finish` waits for the receiver's acknowledgement that every layer landed.
+`finish` waits for the receiver's acknowledgement that every layer landed. The sender names only its own blocks:
+where they land is the receiver's reservation.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
+import numpy as np
 import torch
 
 from pdserve.kernels.cache_ops import gather_blocks
-from pdserve.kernels.kv_layout import KVLayout, LayoutMismatch
+from pdserve.kernels.kv_layout import KVLayout, LayoutMismatch, contiguous_run
 from pdserve.kvtransfer.errors import PeerDisconnected, TransferCancelled, TransferError, TransferTimeout
-from pdserve.kvtransfer.receiver import contiguous_run
+from pdserve.kvtransfer.messages import MAX_ERROR, Abort, Begin, Bye, Done, Error, Hello, HelloOk, Layer, Message
 from pdserve.kvtransfer.stats import StatsHook, TransferStats
 from pdserve.kvtransfer.transport import Connection, Transport, as_bytes, parse_address, to_host
 
@@ -31,13 +34,21 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Outgoing:
     request_id: str
-    peer: "_Peer"
+    peer: _Peer
     src_block_ids: list[int]
-    dst_block_ids: list[int]
     src_run: tuple[int, int] | None
-    done: asyncio.Future
+    done: asyncio.Future[TransferStats]
     stats: TransferStats
     started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Queued:
+    """One message waiting for the connection's writer, with its payloads and the budget bytes they hold."""
+
+    message: Message
+    payloads: tuple[np.ndarray, ...] = ()
+    nbytes: int = 0
 
 
 class _ByteBudget:
@@ -61,32 +72,39 @@ class _ByteBudget:
 
 
 class _Peer:
-    """One connection to one receiver, its writer and reader tasks, and the requests riding on it."""
+    """One connection to one receiver, its writer and reader tasks, and the requests riding on it. `on_broken`
+    tells the owner once when the connection becomes unusable."""
 
-    def __init__(self, address: str, conn: Connection, sender: "KVSender") -> None:
+    def __init__(self, address: str, conn: Connection, budget: _ByteBudget, timeout: float,
+                 on_broken: Callable[[_Peer], None]) -> None:
         self.address = address
         self.conn = conn
-        self.sender = sender
+        self.budget = budget
+        self.timeout = timeout
+        self.on_broken = on_broken
         self.requests: dict[str, _Outgoing] = {}
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[_Queued | None] = asyncio.Queue()  # None: stop writing
         self.broken: TransferError | None = None
         self.writer = asyncio.create_task(self._write_loop())
         self.reader = asyncio.create_task(self._read_loop())
 
+    def put(self, item: _Queued) -> None:
+        self.queue.put_nowait(item)
+
     async def _write_loop(self) -> None:
         """Send whatever is queued as one batch of messages, in queue order; on a pipelined transport the next
         batch is posted without waiting for the previous one to complete."""
-        inflight: set[asyncio.Task] = set()
+        inflight: set[asyncio.Future] = set()
         try:
             while True:
-                items = [await self.queue.get()]
+                got = [await self.queue.get()]
                 while not self.queue.empty():
-                    items.append(self.queue.get_nowait())
-                stop = None in items
-                items = _coalesce([i for i in items if i is not None])
-                nbytes = sum(n for _, _, n in items)
+                    got.append(self.queue.get_nowait())
+                stop = None in got
+                items = _coalesce([i for i in got if i is not None])
+                nbytes = sum(i.nbytes for i in items)
                 if self.broken is not None or not items:
-                    self.sender._budget.release(nbytes)
+                    self.budget.release(nbytes)
                 elif self.conn.pipelined and not stop:
                     task = asyncio.ensure_future(self._send(items, nbytes))
                     inflight.add(task)
@@ -101,49 +119,46 @@ class _Peer:
             for t in inflight:
                 t.cancel()
 
-    async def _send(self, items: list, nbytes: int) -> None:
+    async def _send(self, items: list[_Queued], nbytes: int) -> None:
         try:
-            await asyncio.wait_for(self.conn.send_many([(h, p) for h, p, _ in items]), self.sender.timeout)
-        except (PeerDisconnected, asyncio.TimeoutError) as e:
-            self.fail(PeerDisconnected(f"sending KV to {self.address} failed: {e!r}")
-                      if isinstance(e, PeerDisconnected) else
-                      TransferTimeout(f"receiver {self.address} did not take KV for {self.sender.timeout:.1f}s"))
+            await asyncio.wait_for(self.conn.send_many([(i.message, i.payloads) for i in items]), self.timeout)
+        except PeerDisconnected as e:
+            self.fail(PeerDisconnected(f"sending KV to {self.address} failed: {e!r}"))
+        except asyncio.TimeoutError:
+            self.fail(TransferTimeout(f"receiver {self.address} did not take KV for {self.timeout:.1f}s"))
         finally:
-            self.sender._budget.release(nbytes)
+            self.budget.release(nbytes)
 
     async def _read_loop(self) -> None:
         try:
             while True:
-                msg = await self.conn.recv_header()
-                req = self.requests.get(msg.get("req", ""))
+                msg = await self.conn.recv()
+                req = self.requests.get(msg.req) if isinstance(msg, (Done, Error)) else None
                 if req is None or req.done.done():
                     continue
-                if msg["type"] == "done":
+                if isinstance(msg, Done):
                     req.stats.seconds = time.perf_counter() - req.started
                     req.done.set_result(req.stats)
-                elif msg["type"] == "error":
-                    req.done.set_exception(TransferError(f"receiver refused request {req.request_id}: {msg['error']}"))
-        except PeerDisconnected as e:
+                else:
+                    req.done.set_exception(TransferError(f"receiver refused request {req.request_id}: {msg.error}"))
+        except TransferError as e:
             self.fail(e)
 
     def fail(self, error: TransferError) -> None:
-        """The connection is unusable: fail every request on it and forget it."""
-        if self.broken is None:
-            self.broken = error
-            log.warning("KV connection to %s failed: %s", self.address, error)
+        """The connection is unusable: fail every request on it; the owner forgets it and closes it."""
+        if self.broken is not None:
+            return
+        self.broken = error
+        log.warning("KV connection to %s failed: %s", self.address, error)
         for req in list(self.requests.values()):
             if not req.done.done():
                 req.done.set_exception(error)
                 req.done.exception()
-        if self.sender._peers.get(self.address) is self:
-            del self.sender._peers[self.address]
-        task = asyncio.ensure_future(self.close())
-        self.sender._closing.add(task)
-        task.add_done_callback(self.sender._closing.discard)
+        self.on_broken(self)
 
     async def drain(self, timeout: float) -> None:
         """Let the writer send what is queued plus a goodbye, then stop it."""
-        self.queue.put_nowait(({"type": "bye"}, (), 0))
+        self.put(_Queued(Bye()))
         self.queue.put_nowait(None)
         try:
             await asyncio.wait_for(asyncio.shield(self.writer), timeout)
@@ -157,20 +172,21 @@ class _Peer:
         while not self.queue.empty():
             item = self.queue.get_nowait()
             if item is not None:
-                self.sender._budget.release(item[2])
+                self.budget.release(item.nbytes)
         await self.conn.close()
 
 
-def _coalesce(items: list) -> list:
+def _coalesce(items: list[_Queued]) -> list[_Queued]:
     """Merge queued layer messages of the same request into one message (fewer round trips at the receiver)."""
-    out: list = []
-    for header, payloads, nbytes in items:
-        prev = out[-1][0] if out else None
-        if prev is not None and header["type"] == "layer" and prev["type"] == "layer" and prev["req"] == header["req"]:
-            prev["layers"] = prev["layers"] + header["layers"]
-            out[-1] = (prev, out[-1][1] + payloads, out[-1][2] + nbytes)
+    out: list[_Queued] = []
+    for item in items:
+        prev = out[-1].message if out else None
+        msg = item.message
+        if isinstance(prev, Layer) and isinstance(msg, Layer) and prev.req == msg.req:
+            out[-1] = _Queued(Layer(msg.req, prev.layers + msg.layers, msg.blocks), out[-1].payloads + item.payloads,
+                              out[-1].nbytes + item.nbytes)
         else:
-            out.append((dict(header), tuple(payloads), nbytes))
+            out.append(item)
     return out
 
 
@@ -215,44 +231,46 @@ class KVSender:
             except (OSError, asyncio.TimeoutError, PeerDisconnected) as e:
                 raise PeerDisconnected(f"cannot connect to KV receiver {address}: {e!r}") from e
             try:
-                await asyncio.wait_for(conn.send({"type": "hello", "layout": self.layout.to_dict()}), self.timeout)
-                reply = await asyncio.wait_for(conn.recv_header(), self.timeout)
+                await asyncio.wait_for(conn.send(Hello(self.layout.to_dict())), self.timeout)
+                reply = await asyncio.wait_for(conn.recv(), self.timeout)
             except asyncio.TimeoutError:
                 await conn.close()
                 raise TransferTimeout(f"KV receiver {address} did not answer the handshake in {self.timeout:.1f}s")
             except BaseException:
                 await conn.close()
                 raise
-            if reply.get("type") != "hello_ok":
+            if not isinstance(reply, HelloOk):
                 await conn.close()
-                raise LayoutMismatch(f"KV receiver {address} refused this sender: {reply.get('error')}")
-            peer = _Peer(address, conn, self)
+                raise LayoutMismatch(f"KV receiver {address} refused this sender: {getattr(reply, 'error', reply)}")
+            peer = _Peer(address, conn, self._budget, self.timeout, self._forget_peer)
             self._peers[address] = peer
             return peer
 
-    def begin(self, request_id: str, address: str, src_block_ids: list[int], dst_block_ids: list[int],
-              secret: str, trace: dict | None = None) -> None:
-        """Register the transfer's block mapping on the open connection to `address` (see `connect`), with the
-        secret the receiver gave out for it."""
-        if len(src_block_ids) != len(dst_block_ids):
-            raise ValueError(f"request {request_id}: {len(src_block_ids)} source blocks for "
-                             f"{len(dst_block_ids)} destination blocks")
+    def _forget_peer(self, peer: _Peer) -> None:
+        """A connection broke: new transfers open another one; this one is closed in the background."""
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+        task = asyncio.ensure_future(peer.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def begin(self, request_id: str, address: str, src_block_ids: list[int], secret: str,
+              trace: dict[str, str] | None = None) -> None:
+        """Register a transfer of these blocks on the open connection to `address` (see `connect`), under the id
+        and secret the receiver gave out for it."""
         if request_id in self._requests:
-            raise ValueError(f"request {request_id} is already being sent")
+            raise TransferError(f"request {request_id} is already being sent")
         peer = self._peers.get(address)
         if peer is None:
             raise PeerDisconnected(f"no open KV connection to {address}")
         self._loop = asyncio.get_running_loop()
-        req = _Outgoing(request_id, peer, list(src_block_ids), list(dst_block_ids), contiguous_run(src_block_ids),
+        req = _Outgoing(request_id, peer, list(src_block_ids), contiguous_run(src_block_ids),
                         self._loop.create_future(),
                         TransferStats(request_id, self.transport.name, blocks=len(src_block_ids),
                                       started_at=time.time(), trace=dict(trace or {})))
         peer.requests[request_id] = req
         self._requests[request_id] = req
-        begin = {"type": "begin", "req": request_id, "blocks": req.dst_block_ids, "secret": secret}
-        if req.stats.trace:
-            begin["trace"] = req.stats.trace
-        peer.queue.put_nowait((begin, (), 0))
+        peer.put(_Queued(Begin(request_id, len(src_block_ids), secret, req.stats.trace)))
 
     def send_layer(self, request_id: str, layer: int) -> None:
         """Queue layer `layer` of a begun request. Thread-safe; call it right after the layer's KV is written."""
@@ -268,16 +286,16 @@ class KVSender:
             packed = to_host(packed)
         k, v = packed[0], packed[1]
         nbytes = 2 * len(req.src_block_ids) * self.layout.page_nbytes
-        header = {"type": "layer", "req": request_id, "layers": [layer], "n": len(req.src_block_ids)}
         on_loop = _running_loop() is self._loop
         self._budget.acquire(nbytes, block=not on_loop)
         req.stats.nbytes += nbytes
         req.stats.layers += 1
-        item = (header, (as_bytes(k), as_bytes(v)), nbytes)
+        item = _Queued(Layer(request_id, [layer], len(req.src_block_ids)), (as_bytes(k), as_bytes(v)), nbytes)
         if on_loop:
-            req.peer.queue.put_nowait(item)
+            req.peer.put(item)
         else:
-            self._loop.call_soon_threadsafe(req.peer.queue.put_nowait, item)
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(req.peer.put, item)
 
     async def finish(self, request_id: str) -> TransferStats:
         """Wait until the receiver confirms every layer landed; raises TransferError otherwise. Always unregisters."""
@@ -305,7 +323,7 @@ class KVSender:
             req.done.exception()
         self._forget(req)
         if req.peer.broken is None:
-            req.peer.queue.put_nowait(({"type": "abort", "req": request_id, "error": reason}, (), 0))
+            req.peer.put(_Queued(Abort(request_id, reason[:MAX_ERROR])))
 
     def _forget(self, req: _Outgoing) -> None:
         self._requests.pop(req.request_id, None)

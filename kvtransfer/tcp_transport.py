@@ -33,7 +33,7 @@ class TCPConnection(Connection):
         except OSError:
             self.peer = "?"
 
-    async def send(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None:
+    async def send_header(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None:
         blob = json.dumps(header).encode()
         if len(blob) > MAX_HEADER:
             raise ProtocolError(f"header of {len(blob)} bytes (at most {MAX_HEADER})")

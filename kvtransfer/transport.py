@@ -1,8 +1,8 @@
-"""The message interface kvtransfer speaks, whatever carries the bytes (UCX by default, plain TCP as baseline).
+"""The connection interface kvtransfer speaks, whatever carries the bytes (UCX by default, plain TCP as baseline).
 
-A message is a small JSON header followed by zero or more raw payloads whose sizes the header states, so the
-receiver can land each payload straight into the memory it belongs to. A header larger than MAX_HEADER bytes is
-refused before it is read.
+A message (`messages.py`) travels as a small JSON header followed by zero or more raw payloads whose sizes the
+header states, so the receiver can land each payload straight into the memory it belongs to. A transport moves
+headers and payloads; a header larger than MAX_HEADER bytes is refused before it is read.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import Awaitable, Callable, Sequence
 import numpy as np
 import torch
 
+from pdserve.kvtransfer.errors import ProtocolError
+from pdserve.kvtransfer.messages import Message, decode, encode
 
 MAX_HEADER = 64 << 10
 
 
 def decode_header(blob: bytes | bytearray) -> dict:
     """A header's JSON object; anything else (bad JSON, a list) breaks the protocol."""
-    from pdserve.kvtransfer.errors import ProtocolError
-
     try:
         header = json.loads(blob)
     except ValueError as e:
@@ -50,13 +50,24 @@ class Connection(abc.ABC):
     peer: str = "?"
     pipelined: bool = False  # may several send_many calls be in flight at once (posted in call order)?
 
-    @abc.abstractmethod
-    async def send(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None: ...
+    async def send(self, msg: Message, payloads: Sequence[np.ndarray] = ()) -> None:
+        await self.send_header(encode(msg), payloads)
 
-    async def send_many(self, messages: Sequence[tuple[dict, Sequence[np.ndarray]]]) -> None:
-        """Send several messages in order; transports that can keep them all in flight at once override this."""
+    async def send_many(self, messages: Sequence[tuple[Message, Sequence[np.ndarray]]]) -> None:
+        await self.send_headers([(encode(m), p) for m, p in messages])
+
+    async def recv(self) -> Message:
+        """The next message; ProtocolError when the peer sent anything else."""
+        return decode(await self.recv_header())
+
+    @abc.abstractmethod
+    async def send_header(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None: ...
+
+    async def send_headers(self, messages: Sequence[tuple[dict, Sequence[np.ndarray]]]) -> None:
+        """Send several headers (with payloads) in order; transports that can keep them all in flight at once
+        override this."""
         for header, payloads in messages:
-            await self.send(header, payloads)
+            await self.send_header(header, payloads)
 
     @abc.abstractmethod
     async def recv_header(self) -> dict: ...

@@ -76,10 +76,10 @@ class UCXConnection(Connection):
         self._errors = _errors()
         self._next_frame: tuple[np.ndarray, asyncio.Future] | None = None
 
-    async def send(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None:
-        await self.send_many([(header, payloads)])
+    async def send_header(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None:
+        await self.send_headers([(header, payloads)])
 
-    async def send_many(self, messages: Sequence[tuple[dict, Sequence[np.ndarray]]]) -> None:
+    async def send_headers(self, messages: Sequence[tuple[dict, Sequence[np.ndarray]]]) -> None:
         """Post every send at once (UCX keeps per-tag order) and wait for all: no round trip per message."""
         buffers: list[np.ndarray] = []
         for header, payloads in messages:

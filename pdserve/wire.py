@@ -53,7 +53,6 @@ class PrefillJob:
     num_prompt_tokens: int
     params: SamplingParams
     kv_address: str
-    block_ids: list[int]
     layout_fingerprint: str
     transfer_id: str
     transfer_secret: str
@@ -71,15 +70,14 @@ def job_to_proto(job: PrefillJob) -> worker_pb2.PrefillRequest:
     return worker_pb2.PrefillRequest(
         request_id=job.request_id, token_ids=job.token_ids, num_prompt_tokens=job.num_prompt_tokens,
         sampling=sampling_to_proto(job.params),
-        kv_target=worker_pb2.KVTarget(address=job.kv_address, block_ids=job.block_ids,
-                                      layout_fingerprint=job.layout_fingerprint, transfer_id=job.transfer_id,
-                                      secret=job.transfer_secret))
+        kv_target=worker_pb2.KVTarget(address=job.kv_address, layout_fingerprint=job.layout_fingerprint,
+                                      transfer_id=job.transfer_id, secret=job.transfer_secret))
 
 
 def job_from_proto(msg: worker_pb2.PrefillRequest) -> PrefillJob:
     t = msg.kv_target
     return PrefillJob(msg.request_id, list(msg.token_ids), msg.num_prompt_tokens, sampling_from_proto(msg.sampling),
-                      t.address, list(t.block_ids), t.layout_fingerprint, t.transfer_id, t.secret)
+                      t.address, t.layout_fingerprint, t.transfer_id, t.secret)
 
 
 def result_to_proto(result: PrefillResult) -> worker_pb2.PrefillResponse:

@@ -6,7 +6,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdserve.engine.block_allocator import BlockAllocator
+from pdserve.engine.engine_core import EngineStats
 from pdserve.metrics_server import TOKEN_BUCKETS, TTFT_BUCKETS
 
 
@@ -39,10 +39,11 @@ class PrefillMetrics:
         self.waiting = Gauge("pdserve_prefill_requests_waiting", "Prompts queued.", registry=r)
         self.kv_blocks = Gauge("pdserve_prefill_kv_blocks", "KV blocks by state.", ["state"], registry=r)
 
-    def bind_state(self, running: Callable[[], int], waiting: Callable[[], int], allocator: BlockAllocator) -> None:
-        """Read gauges from the worker at scrape time, so the hot path never updates them."""
+    def bind_state(self, running: Callable[[], int], stats: Callable[[], EngineStats]) -> None:
+        """Read gauges from the worker and its engine's stats at scrape time, so the hot path never updates them."""
         self.running.set_function(running)
-        self.waiting.set_function(waiting)
-        self.kv_blocks.labels("used").set_function(lambda: allocator.num_used_blocks)
-        self.kv_blocks.labels("cached").set_function(lambda: allocator.num_evictable_blocks)
-        self.kv_blocks.labels("free").set_function(lambda: allocator.num_free_blocks - allocator.num_evictable_blocks)
+        self.waiting.set_function(lambda: stats().waiting)
+        self.kv_blocks.labels("used").set_function(lambda: stats().kv_blocks_used)
+        self.kv_blocks.labels("cached").set_function(lambda: stats().kv_blocks_evictable)
+        self.kv_blocks.labels("free").set_function(
+            lambda: (s := stats()).kv_blocks_total - s.kv_blocks_used - s.kv_blocks_evictable)

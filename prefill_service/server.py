@@ -7,16 +7,17 @@ import logging
 import grpc
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine_loop import EngineStopped
-from pdserve.engine.sampler import SamplingError
+from pdserve.engine.sampling_params import InvalidParameter
+from pdserve.errors import status_of
+from pdserve.failure import failure_metadata
 from pdserve.kernels.kv_layout import LayoutMismatch
 from pdserve.kvtransfer.errors import TransferError
-from pdserve.failure import failure_metadata
 from pdserve.grpc_server import RunningServer, records_cancellation, start_server
 from pdserve.security import TLSConfig
 from pdserve.tracing import Tracing
 from pdserve.wire import job_from_proto, result_to_proto
-from pdserve.prefill_service.worker import PrefillWorker, QueueFull
+from pdserve.prefill_service.observe import PrefillObserver
+from pdserve.prefill_service.worker import PrefillWorker
 from pdserve.protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -29,27 +30,20 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 
     @records_cancellation
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
-        here = failure_metadata("prefill", self.address)
         try:
             result = await self.worker.prefill(job_from_proto(request))
-        except LayoutMismatch as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e), here)
-        except SamplingError as e:
-            await context.abort(grpc.StatusCode.INTERNAL, f"prefill worker {self.address}: {e}", here)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e), here)
-        except QueueFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill worker {self.address}: {e}", here)
-        except TransferError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"prefill worker {self.address}: KV transfer to {request.kv_target.address} "
-                                f"failed: {e}", here)
-        except EngineStopped as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill worker {self.address}: {e}", here)
+        except Exception as e:  # noqa: BLE001 - every failure is reported with its status (errors.STATUS)
+            if isinstance(e, (InvalidParameter, LayoutMismatch)):
+                message = str(e)
+            elif isinstance(e, TransferError):
+                message = f"prefill worker {self.address}: KV transfer to {request.kv_target.address} failed: {e}"
+            else:
+                message = f"prefill worker {self.address}: {e}"
+            await context.abort(status_of(e), message, failure_metadata("prefill", self.address, e))
         return result_to_proto(result)
 
     async def WatchCache(self, request: worker_pb2.WatchCacheRequest, context):
-        block_size = self.worker.core.allocator.block_size
+        block_size = self.worker.layout.block_size
         async for snapshot, stored, removed in self.worker.watch_cache():
             yield worker_pb2.CacheEvent(snapshot=snapshot, stored=stored, removed=removed, block_size=block_size)
 
@@ -60,7 +54,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
 async def serve(cfg: EngineConfig, host: str, port: int, transport: str, tracing: Tracing | None = None,
                 reflection: bool = False, tls: TLSConfig | None = None) -> tuple[RunningServer, PrefillWorker]:
     tracing = tracing or Tracing("pdserve-prefill")
-    worker = PrefillWorker(cfg, transport=transport, tracer=tracing.tracer)
+    worker = PrefillWorker(cfg, transport=transport, observer=PrefillObserver(tracing.tracer))
     try:
         await worker.start()
         running = await start_server(

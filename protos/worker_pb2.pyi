@@ -48,18 +48,16 @@ class FinishResponse(_message.Message):
     def __init__(self, finished: _Optional[bool] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("address", "block_ids", "layout_fingerprint", "transfer_id", "secret")
+    __slots__ = ("address", "layout_fingerprint", "transfer_id", "secret")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
     address: str
-    block_ids: _containers.RepeatedScalarFieldContainer[int]
     layout_fingerprint: str
     transfer_id: str
     secret: str
-    def __init__(self, address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout_fingerprint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
+    def __init__(self, address: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "kv_target")

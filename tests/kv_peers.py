@@ -33,7 +33,7 @@ def _other_tasks() -> list[str]:
 def receiver_main(pipe, transport_name: str, layout: dict, num_blocks: int, timeout: float) -> None:
     from pdserve.kernels.kv_layout import KVLayout
     from pdserve.kvtransfer.receiver import KVReceiver
-    from pdserve.kvtransfer.transports import make_transport, shutdown_transports
+    from pdserve.kvtransfer.backends import make_transport, shutdown_transports
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -99,12 +99,12 @@ def sender_main(pipe, transport_name: str, layout: dict, num_blocks: int, addres
     """
     from pdserve.kernels.kv_layout import KVLayout
     from pdserve.kvtransfer.sender import KVSender
-    from pdserve.kvtransfer.transports import make_transport
+    from pdserve.kvtransfer.backends import make_transport
 
     async def one(sender, rid, src, dst) -> None:
         try:
             await sender.connect(address)
-            sender.begin(rid, address, src, dst, secret)
+            sender.begin(rid, address, src, secret)
             layers = layout["num_layers"] if stall_after_layers is None else stall_after_layers
 
             def forward() -> None:  # the forward pass's thread, layer by layer

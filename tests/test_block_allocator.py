@@ -18,7 +18,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.published: set[int] = set()  # what a listener to the cache's events believes it holds
-        self.alloc = BlockAllocator(num_blocks=24, block_size=BS, on_cache_change=self._changed)
+        self.alloc = BlockAllocator(num_blocks=24, block_size=BS)
+        self.alloc.subscribe(self._changed)
         self.owners: list[tuple[list[int], list[int]]] = []  # (block ids, tokens) per live sequence
 
     def _changed(self, stored: list[int], removed: list[int]) -> None:

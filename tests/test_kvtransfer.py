@@ -327,7 +327,7 @@ def test_hostile_peer_is_cut_off_without_allocating_what_it_announces(env_loopba
         hello = _frame({"type": "hello", "layout": dict(LAYOUT, num_blocks=1)})
         assert _raw_tcp(address, [struct.pack("!I", 1 << 31)]) == b""  # a 2 GiB header: refused unread
         assert _raw_tcp(address, [_frame({"type": "hello", "layout": "nope"})]) == b""
-        answer = _raw_tcp(address, [hello, _frame({"type": "layer", "req": "x", "layers": [0], "n": 10**12})])
+        answer = _raw_tcp(address, [hello, _frame({"type": "layer", "req": "x", "layers": [0], "blocks": 10**12})])
         assert b"hello_ok" in answer  # it got as far as the handshake, then was closed
         answer = _raw_tcp(address, [hello, b"\x00\x00\x00\x05[1,2]"])
         assert b"hello_ok" in answer

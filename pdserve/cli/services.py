@@ -143,7 +143,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"pdserve {args.command} ready on {args.host}:{running.port}", flush=True)
 
         async def stop() -> None:
-            from pdserve.kvtransfer.transports import shutdown_transports
+            from pdserve.kvtransfer.backends import shutdown_transports
 
             await worker.close()  # new requests are refused by name; those in flight finish
             await running.server.stop(grace=30)
@@ -157,7 +157,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
         return await serve_until_signal(stop, running.failed)
 
-    from pdserve.kvtransfer.transports import shutdown_transports
+    from pdserve.kvtransfer.backends import shutdown_transports
 
     try:
         return _run(main)
