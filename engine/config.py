@@ -1,22 +1,27 @@
-"""Model and engine configuration as plain dataclasses."""
+"""Model and engine configuration as plain dataclasses (importing this module does not import torch: the CLI
+builds its flags from `EngineConfig` and must answer --help at once)."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(name, torch.dtype):
         return name
     try:
-        return _DTYPES[name.lower()]
+        return getattr(torch, _DTYPES[name.lower()])
     except KeyError:
         raise ValueError(f"dtype {name!r} is not one of {sorted(_DTYPES)}") from None
 

@@ -20,7 +20,8 @@ import grpc
 from opentelemetry import trace
 
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.router import NoWorkerAvailable, Route, Router, WorkerHandle
+from pdserve.gateway.observe import RequestWatch
+from pdserve.gateway.router import NoWorkerAvailable, RouteLease, Router, WorkerHandle
 from pdserve.gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.deadline import deadline_passed
@@ -76,24 +77,6 @@ class Delta:
     logprobs: list[common_pb2.TokenLogprob]
     finish_reason: str | None = None
     usage: common_pb2.Usage | None = None
-
-
-@dataclass
-class Outcome:
-    """What one request did, filled in as it goes; read once at the end."""
-
-    request_id: str
-    start: float
-    front: str
-    status: str = "OK"
-    finish_reason: str = ""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    ttft: float | None = None
-    last_token: float = 0.0
-    decode: str = ""
-    prefill: str = ""
 
 
 class RequestPath:
@@ -161,29 +144,18 @@ class RequestPath:
     # ---- one request -------------------------------------------------------------------------------------
 
     async def run(self, req: GenerationRequest, front: str) -> AsyncIterator[Delta]:
-        """Stream one request, then count it, log it and close its span, however it ended."""
-        out = Outcome(req.request_id, time.perf_counter(), front)
-        span = trace.get_current_span()  # the front door's server span (non-recording when tracing is off)
-        span.set_attributes({"pdserve.request_id": req.request_id, "pdserve.model": self.model_name,
-                             "pdserve.front": front})
-        self.metrics.in_flight.inc()
+        """Stream one request; its watch counts it, logs it and annotates its span, however it ended."""
+        watch = RequestWatch(self.metrics, self.model_name, req.request_id, front)
         try:
-            async for delta in self._generate(req, out):
+            async for delta in self._generate(req, watch):
                 yield delta
-        except RequestError as e:
-            out.status = e.code.name
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            out.status = "DEADLINE_EXCEEDED" if deadline_passed(req.deadline) else "CANCELLED"
-            raise
-        except BaseException:
-            out.status = "INTERNAL"
+        except BaseException as e:
+            watch.failed(e, e.code.name if isinstance(e, RequestError) else None, req.deadline)
             raise
         finally:
-            self.metrics.in_flight.dec()
-            self._record(out, span)
+            watch.end()
 
-    async def _generate(self, req: GenerationRequest, out: Outcome) -> AsyncIterator[Delta]:
+    async def _generate(self, req: GenerationRequest, out: RequestWatch) -> AsyncIterator[Delta]:
         with self.tracer.start_as_current_span("gateway.tokenize") as span:
             prompt_ids = await self.prompt_ids(req)
             span.set_attribute("pdserve.prompt_tokens", len(prompt_ids))
@@ -196,32 +168,30 @@ class RequestPath:
         for attempt in range(self.max_attempts):
             with self.tracer.start_as_current_span("gateway.route") as span:
                 try:
-                    route = self.router.pick(tried, prompt_ids)
-                    decode, prefill = route.decode, route.prefill
+                    lease = self.router.pick(tried, prompt_ids)
                 except NoWorkerAvailable as e:
                     raise last_error or RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+                decode, prefill = lease.decode, lease.prefill
                 span.set_attributes({"pdserve.decode": decode.address,
                                      "pdserve.prefill": prefill.address if prefill else "", "pdserve.attempt": attempt})
-            out.decode, out.prefill = decode.address, prefill.address if prefill else ""
+            out.routed(decode.address, prefill.address if prefill else "")
             try:
-                async for delta in self._stream(req, prompt_ids, route, detok, matcher, usage, out):
-                    yield delta
+                with lease:
+                    async for delta in self._stream(req, prompt_ids, lease, detok, matcher, usage, out):
+                        yield delta
                 return
             except _Retry as retry:
-                self.metrics.retries.inc()
+                out.retried()
                 tried.add(retry.culprit)
                 last_error = retry.error
                 log.warning("request %s: %s; retrying elsewhere", req.request_id, retry.error.message)
         raise last_error or RequestError(grpc.StatusCode.UNAVAILABLE, "no worker could serve the request")
 
-    async def _stream(self, req: GenerationRequest, prompt_ids: list[int], route: Route,
+    async def _stream(self, req: GenerationRequest, prompt_ids: list[int], lease: RouteLease,
                       detok: IncrementalDetokenizer, matcher: StopStringMatcher, usage: common_pb2.Usage,
-                      out: Outcome) -> AsyncIterator[Delta]:
-        decode, prefill = route.decode, route.prefill
+                      out: RequestWatch) -> AsyncIterator[Delta]:
+        decode, prefill = lease.decode, lease.prefill
         timeout = None if req.deadline is None else max(0.0, req.deadline - time.monotonic())
-        decode.inflight += 1
-        self.metrics.prefill_routes.labels("remote" if prefill is not None else "local").inc()
-        prefill_pending = True  # until the first token, the prompt counts as queued where it is prefilled
         call = decode.stub.Decode(
             worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=prompt_ids, sampling=req.sampling,
                                      prefill_address=prefill.address if prefill else ""), timeout=timeout)
@@ -232,9 +202,7 @@ class RequestPath:
                 if not streamed:
                     usage.cached_prompt_tokens = resp.cached_prompt_tokens
                     stream_id = resp.stream_id
-                if prefill_pending:
-                    self.router.started(route)
-                    prefill_pending = False
+                lease.prefilled()
                 streamed = True
                 usage.completion_tokens += len(resp.token_ids)
                 text = matcher.feed(detok.add(resp.token_ids))
@@ -244,8 +212,7 @@ class RequestPath:
                     await self._finish_early(decode, stream_id)
                 elif finish:
                     text += matcher.feed(detok.flush()) + matcher.flush()
-                out.cached_tokens, out.completion_tokens = usage.cached_prompt_tokens, usage.completion_tokens
-                self._token_sent(out)
+                out.token_sent(usage.completion_tokens, usage.cached_prompt_tokens)
                 if finish:
                     out.finish_reason = finish
                     await self._drain(call)
@@ -258,9 +225,6 @@ class RequestPath:
             raise self._failure(e, decode, prefill, streamed) from None
         finally:
             call.cancel()  # the worker stops generating (and its client span ends) as soon as we are done
-            decode.inflight -= 1
-            if prefill_pending:
-                self.router.started(route)
 
     @staticmethod
     async def _finish_early(decode: WorkerHandle, stream_id: str) -> None:
@@ -299,36 +263,6 @@ class RequestPath:
         if code == grpc.StatusCode.UNAVAILABLE:
             self.router.mark_down(address)
         return _Retry(error, address)
-
-    def _token_sent(self, out: Outcome) -> None:
-        now = time.perf_counter()
-        if out.ttft is None:
-            out.ttft = now - out.start
-            self.metrics.ttft.observe(out.ttft)
-        else:
-            self.metrics.itl.observe(now - out.last_token)
-        out.last_token = now
-
-    def _record(self, out: Outcome, span: trace.Span) -> None:
-        m = self.metrics
-        e2e = time.perf_counter() - out.start
-        m.requests.labels(out.status, out.finish_reason).inc()
-        if out.status == "OK":
-            m.e2e.observe(e2e)
-            m.prompt_tokens.inc(out.prompt_tokens)
-            m.cached_prompt_tokens.inc(out.cached_tokens)
-            m.prompt_len.observe(out.prompt_tokens)
-        m.generation_tokens.inc(out.completion_tokens)
-        span.set_attributes({"pdserve.prompt_tokens": out.prompt_tokens,
-                             "pdserve.completion_tokens": out.completion_tokens,
-                             "pdserve.cached_prompt_tokens": out.cached_tokens,
-                             "pdserve.finish_reason": out.finish_reason, "pdserve.status": out.status})
-        log_request(request_log, request_id=out.request_id, trace_id=trace_id(span), model=self.model_name,
-                    front=out.front, status=out.status, finish_reason=out.finish_reason,
-                    prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-                    completion_tokens=out.completion_tokens,
-                    ttft_s=round(out.ttft, 4) if out.ttft is not None else None, e2e_s=round(e2e, 4),
-                    decode=out.decode, prefill=out.prefill)
 
 
 class _Retry(Exception):

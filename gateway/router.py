@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import AbstractSet, Sequence
 
 import grpc
 
@@ -41,10 +41,48 @@ class NoWorkerAvailable(RuntimeError):
     pass
 
 
-class Route(NamedTuple):
-    decode: "WorkerHandle"
-    prefill: "WorkerHandle | None"  # None: the decode worker prefills the prompt itself
-    queued_tokens: int = 0  # the prompt's tokens still to prefill, counted where they queue until the first token
+class RouteLease:
+    """One routed request's claim on its workers, from `Router.pick` until the request ends: it counts as in
+    flight at its decode worker, and its uncached prompt tokens as queued where they are prefilled (a prefill
+    worker, or the decode worker itself) until `prefilled()` says the first token came. The lease is the only
+    thing that changes those counts; leaving it (a context manager) releases whatever it still holds, once."""
+
+    def __init__(self, decode: WorkerHandle, prefill: WorkerHandle | None, queued_tokens: int) -> None:
+        self.decode = decode
+        self.prefill = prefill  # None: the decode worker prefills the prompt itself
+        self.queued_tokens = queued_tokens
+        self._prefilling = True
+        self._held = True
+        decode.inflight += 1
+        if prefill is not None:
+            prefill.inflight += 1
+            prefill.inflight_tokens += queued_tokens
+        else:
+            decode.inflight_tokens += queued_tokens
+
+    def prefilled(self) -> None:
+        """The prompt's first token arrived (or its prefill failed): its tokens no longer queue anywhere."""
+        if not self._prefilling:
+            return
+        self._prefilling = False
+        if self.prefill is not None:
+            self.prefill.inflight -= 1
+            self.prefill.inflight_tokens -= self.queued_tokens
+        else:
+            self.decode.inflight_tokens -= self.queued_tokens
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self.prefilled()
+        self._held = False
+        self.decode.inflight -= 1
+
+    def __enter__(self) -> RouteLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @dataclass
@@ -55,6 +93,7 @@ class WorkerHandle:
     stub: object
     healthy: bool = False
     stats: worker_pb2.WorkerStats = field(default_factory=worker_pb2.WorkerStats)
+    # the two below change only through the RouteLeases of this gateway's requests
     inflight: int = 0  # requests this gateway sent that have not answered yet
     inflight_tokens: int = 0  # their prompt tokens not prefilled yet (prefill workers; decode workers' own prefills)
     inflight_tokens_at_poll: int = 0  # inflight_tokens when `stats` was taken: already inside its queued_tokens
@@ -272,17 +311,16 @@ class Router:
         """No prefill workers configured: the decode workers prefill themselves."""
         return not self._names["prefill"]
 
-    def pick(self, exclude: set[str] = frozenset(), prompt: Sequence[int] = ()) -> Route:
-        """A decode worker, and the prefill worker for `prompt` (None: the decode worker prefills it itself,
-        colocated or by conditional disaggregation). The prompt's uncached tokens count as queued at that prefill
-        worker until `started(route)` is called."""
+    def pick(self, exclude: AbstractSet[str] = frozenset(), prompt: Sequence[int] = ()) -> RouteLease:
+        """A lease on a decode worker and the prefill worker for `prompt` (None: the decode worker prefills it
+        itself, colocated or by conditional disaggregation); hold it for as long as the request runs."""
         decode_ok = [w for w in self.decode if w.healthy and w.address not in exclude]
         if not decode_ok:
             raise NoWorkerAvailable("no healthy decode worker")
         decode = min(decode_ok, key=lambda w: w.decode_score)
         limit = decode.stats.local_prefill_max_tokens
         if self.colocated:
-            return Route(decode, None)
+            return RouteLease(decode, None, 0)
         prefill_ok = [w for w in self.prefill if w.healthy and w.address not in exclude]
         if prompt and 0 < len(prompt) <= limit:
             # local while the decode worker's own prefill backlog is short, or shorter than every prefill
@@ -290,8 +328,7 @@ class Router:
             remote = min((w.queued_tokens for w in prefill_ok), default=0)
             if decode.queued_tokens < max(4 * limit, remote):
                 self.local_prefills += 1
-                decode.inflight_tokens += len(prompt)  # a burst sees its own backlog, not the last poll's
-                return Route(decode, None, len(prompt))
+                return RouteLease(decode, None, len(prompt))  # a burst sees its own backlog, not the last poll's
         if not prefill_ok:
             raise NoWorkerAvailable("no healthy prefill worker")
         block_size = max(prefill_ok[0].stats.block_size, 1)
@@ -308,19 +345,7 @@ class Router:
             log.debug("prompt of %d tokens -> prefill %s (%d uncached); scores %s", len(prompt), prefill.address,
                       uncached, {w.address: score(w) for w in prefill_ok})
         prefill.expect(hashes, now)  # it will hold them once it has run the prompt
-        prefill.inflight += 1
-        prefill.inflight_tokens += uncached
-        return Route(decode, prefill, uncached)
-
-    @staticmethod
-    def started(route: Route) -> None:
-        """The prefill of `route` has answered (or failed): its work no longer counts as queued there (at the
-        prefill worker, or at the decode worker prefilling it itself)."""
-        if route.prefill is not None:
-            route.prefill.inflight -= 1
-            route.prefill.inflight_tokens -= route.queued_tokens
-        else:
-            route.decode.inflight_tokens -= route.queued_tokens
+        return RouteLease(decode, prefill, uncached)
 
     def mark_down(self, address: str) -> None:
         for w in self.workers:

@@ -33,7 +33,7 @@ def _prefill_request(kv_address: str, rid: str = "direct") -> worker_pb2.Prefill
     return worker_pb2.PrefillRequest(
         request_id=rid, token_ids=list(range(300, 340)), num_prompt_tokens=40,
         sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0),
-        kv_target=worker_pb2.KVTarget(address=kv_address, block_ids=[0, 1, 2], layout_fingerprint="x",
+        kv_target=worker_pb2.KVTarget(address=kv_address, layout_fingerprint="x",
                                       transfer_id="t-" + rid, secret="s"))
 
 

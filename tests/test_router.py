@@ -6,9 +6,13 @@ import asyncio
 
 import pytest
 
-from pdserve.gateway.router import NoWorkerAvailable, Router
+from pdserve.gateway.router import NoWorkerAvailable, RouteLease, Router, WorkerHandle
 from pdserve.protos import worker_pb2
 from tests.stack import free_port
+
+
+def routed(lease: RouteLease) -> tuple[WorkerHandle, WorkerHandle | None]:
+    return lease.decode, lease.prefill
 
 
 class Names:
@@ -66,14 +70,15 @@ async def test_pick_takes_the_least_loaded_healthy_workers():
         d1.stats.running, d1.stats.kv_blocks_used = 1, 50
         d2.stats.running, d2.stats.kv_blocks_used = 1, 20
         p0.stats.queued_tokens = 300
-        assert router.pick()[:2] == (d2, p1)  # fewest sequences, then most free blocks; shortest prefill queue
-        d2.inflight = 1  # a request this gateway just sent there counts before the next poll shows it
-        assert router.pick()[:2] == (d1, p1)
-        assert router.pick(exclude={d1.address, p1.address})[:2] == (d0, p0)  # ties on load: more free blocks
+        # fewest sequences, then most free blocks; shortest prefill queue. The lease held stays counted there
+        # before the next poll shows the request
+        assert routed(router.pick()) == (d2, p1)
+        assert routed(router.pick()) == (d1, p1)
+        assert routed(router.pick(exclude={d1.address, p1.address})) == (d0, p0)  # ties on load: more free blocks
         d1.healthy = d2.healthy = False
-        assert router.pick()[:2] == (d0, p1)
+        assert routed(router.pick()) == (d0, p1)
         router.mark_down(p1.address)
-        assert router.pick()[:2] == (d0, p0)
+        assert routed(router.pick()) == (d0, p0)
         d0.healthy = False
         with pytest.raises(NoWorkerAvailable, match="decode"):
             router.pick()
@@ -85,7 +90,7 @@ async def test_colocated_router_needs_no_prefill_worker():
     router = Router([], [f"127.0.0.1:{free_port()}"])
     try:
         router.decode[0].healthy = True
-        assert router.colocated and router.pick()[:2] == (router.decode[0], None)
+        assert router.colocated and routed(router.pick()) == (router.decode[0], None)
     finally:
         await router.close()
 
@@ -101,16 +106,16 @@ async def test_prefill_choice_weighs_cached_prefix_against_queued_work():
         (d,), (p0, p1) = router.decode, router.prefill
         prompt = list(range(1000, 1200))  # 12 full blocks
         p0.cached = set(prefix_hashes(prompt[:160], 16))  # its first 10 blocks
-        assert router.pick(prompt=prompt)[:2] == (d, p0)
+        assert routed(router.pick(prompt=prompt)) == (d, p0)
         now = asyncio.get_running_loop().time()
         assert p0.overlap(prefix_hashes(prompt, 16), now) == 12  # routed there: it now counts on the whole prompt
         p0.stats.queued_tokens = 16 * 12 + 1  # more queued work than the hits save
-        assert router.pick(prompt=prompt)[:2] == (d, p1)
+        assert routed(router.pick(prompt=prompt)) == (d, p1)
         assert set(prefix_hashes(prompt, 16)) <= set(p1.expected)  # routed there: it will cache the prompt
         assert p1.overlap(prefix_hashes(prompt, 16), now + p1.EXPECT_FOR + 1) == 0  # unless it never reports them
         other = list(range(5000, 5100))
         p1.stats.queued_tokens = 10_000
-        assert router.pick(prompt=other)[:2] == (d, p0)  # no overlap anywhere: the shorter queue
+        assert routed(router.pick(prompt=other)) == (d, p0)  # no overlap anywhere: the shorter queue
     finally:
         await router.close()
 
@@ -122,12 +127,12 @@ async def test_short_prompts_stay_on_the_decode_worker_while_it_keeps_up():
             w.healthy = True
             w.stats = worker_pb2.WorkerStats(kv_blocks_total=100, block_size=16)
         (d,), (p,) = router.decode, router.prefill
-        assert router.pick(prompt=list(range(40)))[:2] == (d, p)  # the decode worker reports no threshold
+        assert routed(router.pick(prompt=list(range(40)))) == (d, p)  # the decode worker reports no threshold
         d.stats.local_prefill_max_tokens = 64
-        assert router.pick(prompt=list(range(40)))[:2] == (d, None)
-        assert router.pick(prompt=list(range(65)))[:2] == (d, p)
+        assert routed(router.pick(prompt=list(range(40)))) == (d, None)
+        assert routed(router.pick(prompt=list(range(65)))) == (d, p)
         d.stats.queued_tokens = 4 * 64  # its own prefill backlog is long: send even short prompts away
-        assert router.pick(prompt=list(range(40)))[:2] == (d, p)
+        assert routed(router.pick(prompt=list(range(40)))) == (d, p)
     finally:
         await router.close()
 
@@ -149,7 +154,7 @@ async def test_a_burst_of_short_prompts_sees_its_own_backlog_on_the_decode_worke
         assert [r.prefill for r in routes[6:]] == [p, p, p, None, p, None]
         assert (d.queued_tokens, p.queued_tokens) == (384, 384)
         for r in routes:
-            router.started(r)
+            r.release()
         assert d.queued_tokens == 0 and p.queued_tokens == 0
         assert router.pick(prompt=list(range(64))).prefill is None
     finally:
@@ -170,7 +175,7 @@ async def test_a_prompt_routed_during_a_poll_leaves_no_phantom_queue():
         route = router.pick(prompt=list(range(408)))  # a prompt is routed while it is in flight
         p.polled(worker_pb2.WorkerStats(kv_blocks_total=100, block_size=16, queued_tokens=408), before)
         assert p.queued_tokens == 408
-        router.started(route)
+        route.prefilled()
         assert p.queued_tokens == 0
     finally:
         await router.close()

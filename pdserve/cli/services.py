@@ -7,7 +7,13 @@ import asyncio
 import logging
 import socket
 
+from typing import TYPE_CHECKING
+
 from pdserve.cli.errors import CLIError
+from pdserve.cli.options import DecodeOptions, EngineOptions, LocalPrefillOptions, QueueOptions, from_args
+
+if TYPE_CHECKING:
+    from pdserve.engine.config import EngineConfig
 
 log = logging.getLogger("pdserve")
 
@@ -25,7 +31,7 @@ def model_and_dtype(model: str, dtype: str) -> tuple[str, str]:
     return str(path), dtype
 
 
-def engine_config(args: argparse.Namespace):
+def engine_config(options: EngineOptions) -> EngineConfig:
     """The engine configuration the flags describe, checked before any weights load: a budget that holds no
     KV block, a bad dtype or block size fail here, in one line."""
     from pathlib import Path
@@ -33,22 +39,23 @@ def engine_config(args: argparse.Namespace):
     from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
     from pdserve.engine.kv_cache import plan_kv_cache
 
-    path, dtype = model_and_dtype(args.model, args.dtype)
+    path, dtype = model_and_dtype(options.model, options.dtype)
     try:
-        layout = plan_kv_cache(ModelConfig.from_dir(Path(path)), parse_dtype(dtype), args.block_size,
-                               args.kv_cache_memory)
+        layout = plan_kv_cache(ModelConfig.from_dir(Path(path)), parse_dtype(dtype), options.block_size,
+                               options.kv_cache_memory)
     except ValueError as e:
         raise CLIError(str(e)) from None
     for name in ("max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) < 1:
+        if getattr(options, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
     if layout.num_blocks < 2:
-        raise CLIError(f"--kv-cache-memory {args.kv_cache_memory} B holds {layout.num_blocks} KV block; "
+        raise CLIError(f"--kv-cache-memory {options.kv_cache_memory} B holds {layout.num_blocks} KV block; "
                        f"need at least 2 ({layout.block_nbytes} B each)")
-    return EngineConfig(model=path, dtype=dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                        num_threads=args.threads, attention_backend=args.attention_backend, device=args.device)
+    return EngineConfig(model=path, dtype=dtype, block_size=options.block_size,
+                        kv_cache_memory=options.kv_cache_memory, max_num_seqs=options.max_num_seqs,
+                        max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
+                        enable_prefix_caching=options.prefix_caching, num_threads=options.threads,
+                        attention_backend=options.attention_backend, device=options.device)
 
 
 def routable(host: str) -> str:
@@ -113,7 +120,7 @@ def _run(main) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from pdserve.grpc_server import serve_until_signal
 
-    cfg = engine_config(args)
+    cfg = engine_config(from_args(EngineOptions, args))
     tls = tls_config(args)
 
     async def main() -> int:
@@ -128,17 +135,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
             from pdserve.decode_service.server import serve
 
             colocated = args.command == "colocated"
-            kv_host = "" if colocated else routable(args.kv_host or args.host)
-            allowed = [a for a in getattr(args, "prefill", "").split(",") if a]
-            running, worker, clients = await serve(cfg, args.host, args.port, args.kv_transport, kv_host,
-                                                   kv_port=getattr(args, "kv_port", 0),
-                                                   max_queued=args.max_queued, tracing=tracing,
-                                                   colocated=colocated, reflection=args.reflection, tls=tls,
-                                                   allowed_prefill=allowed,
-                                                   local_prefill_max_tokens=getattr(args, "local_prefill_max_tokens",
-                                                                                    0),
-                                                   threads_while_prefilling=getattr(args, "threads_while_prefilling",
-                                                                                    None))
+            decode = DecodeOptions() if colocated else from_args(DecodeOptions, args)
+            local = LocalPrefillOptions(0) if colocated else from_args(LocalPrefillOptions, args)
+            running, worker, clients = await serve(
+                cfg, args.host, args.port, args.kv_transport, "" if colocated else routable(decode.kv_host or args.host),
+                kv_port=decode.kv_port, max_queued=from_args(QueueOptions, args).max_queued, tracing=tracing,
+                colocated=colocated, reflection=args.reflection, tls=tls,
+                allowed_prefill=[a for a in decode.prefill.split(",") if a],
+                local_prefill_max_tokens=local.local_prefill_max_tokens,
+                threads_while_prefilling=decode.threads_while_prefilling)
         metrics = _metrics_server(args, worker.metrics.registry)
         print(f"pdserve {args.command} ready on {args.host}:{running.port}", flush=True)
 

@@ -21,6 +21,18 @@ from dataclasses import dataclass
 
 from pdserve.cli.clients import stream_completion
 from pdserve.cli.errors import CLIError
+from pdserve.cli.options import (
+    DecodeOptions,
+    EngineOptions,
+    HTTPOptions,
+    LocalPrefillOptions,
+    ObservabilityOptions,
+    RoutingOptions,
+    TLSOptions,
+    UpOptions,
+    from_args,
+    to_argv,
+)
 from pdserve.cli.services import engine_config, tls_config
 
 _PR_SET_PDEATHSIG = 1
@@ -86,19 +98,23 @@ async def _wait_serving(services: list[Service], timeout: float, tls=None) -> No
 def cmd_up(args: argparse.Namespace) -> int:
     from pdserve.engine.model_store import needs_conversion
 
-    if needs_conversion(args.model):
+    engine, up = from_args(EngineOptions, args), from_args(UpOptions, args)
+    observe, tls_options = from_args(ObservabilityOptions, args), from_args(TLSOptions, args)
+    if needs_conversion(engine.model):
         print("pdserve up: converting the model for first use (once; about 20 s)...", file=sys.stderr, flush=True)
-    engine_config(args)  # the model, dtype and KV budget are checked here, before any process starts
+    engine_config(engine)  # the model, dtype and KV budget are checked here, before any process starts
     tls = tls_config(args)
-    if args.colocated:
-        args.prefill_workers = 0
-    if args.decode_workers < 1 or args.prefill_workers < 0:
+    if up.colocated:
+        up.prefill_workers = 0
+    if up.decode_workers < 1 or up.prefill_workers < 0:
         raise CLIError("--decode-workers must be >= 1 and --prefill-workers >= 0")
-    workers = args.prefill_workers + args.decode_workers
-    prefill = [f"{args.host}:{args.prefill_port + i}" for i in range(args.prefill_workers)]
-    decode = [f"{args.host}:{args.decode_port + i}" for i in range(args.decode_workers)]
-    metric_ports = list(range(args.metrics_port, args.metrics_port + 1 + workers)) if args.metrics_port >= 0 else []
-    _check_ports_free(args.host, [("gateway", args.port)] + ([("HTTP API", args.http_port)] if args.http_port >= 0
+    workers = up.prefill_workers + up.decode_workers
+    prefill = [f"{args.host}:{up.prefill_port + i}" for i in range(up.prefill_workers)]
+    decode = [f"{args.host}:{up.decode_port + i}" for i in range(up.decode_workers)]
+    metric_ports = (list(range(observe.metrics_port, observe.metrics_port + 1 + workers))
+                    if observe.metrics_port >= 0 else [])
+    http = from_args(HTTPOptions, args)
+    _check_ports_free(args.host, [("gateway", args.port)] + ([("HTTP API", http.http_port)] if http.http_port >= 0
                                                              else [])
                       + [("prefill worker", int(a.rsplit(":", 1)[1])) for a in prefill]
                       + [("decode worker", int(a.rsplit(":", 1)[1])) for a in decode]
@@ -110,26 +126,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     # OpenMP threads than twice the cores fight over them. On 2 cores (c=1 / 8 / 32, tok/s): one thread each
     # 60.7 / 256 / 472, two each 77.9 / 174 / 425, prefill one and decode two 70.0 / 287 / 476.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    prefill_threads = args.threads or max(1, cores // 2 // max(1, args.prefill_workers))
-    decode_threads = args.threads or max(1, cores // args.decode_workers)
-    common = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(args.block_size),
-              "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs", str(args.max_num_seqs),
-              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-              "--kv-transport", args.kv_transport, "--attention-backend", args.attention_backend,
-              "--device", args.device]
-    if args.max_model_len:
-        common += ["--max-model-len", str(args.max_model_len)]
-    if args.no_prefix_caching:
-        common += ["--no-prefix-caching"]
-    observe = ["--otlp-protocol", args.otlp_protocol, "--trace-sample-ratio", str(args.trace_sample_ratio)]
-    if args.otlp_endpoint:
-        observe += ["--otlp-endpoint", args.otlp_endpoint]
-    if args.metrics_host:
-        observe += ["--metrics-host", args.metrics_host]
-    for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca),
-                        ("--tls-server-name", args.tls_server_name)):
-        if value:
-            observe += [flag, value]
+    prefill_threads = engine.threads or max(1, cores // 2 // max(1, up.prefill_workers))
+    decode_threads = engine.threads or max(1, cores // up.decode_workers)
+    secure = to_argv(tls_options)
     metrics = iter(metric_ports[1:] + [-1] * (1 + workers))
     services: list[Service] = []
 
@@ -158,43 +157,43 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     t0 = time.perf_counter()
     try:
-        role = "colocated" if args.colocated else "decode"
-        workers_up = [spawn("prefill worker", a, ["prefill", "--host", a.rsplit(":", 1)[0], "--port",
-                                                  a.rsplit(":", 1)[1], *common, "--threads", str(prefill_threads),
-                                                  *observe, "--metrics-port", str(next(metrics))]) for a in prefill]
-        allowed = ["--prefill", ",".join(prefill)] if prefill else []
+        role = "colocated" if up.colocated else "decode"
+
+        def worker_argv(role: str, address: str, threads: int) -> list[str]:
+            host, port = address.rsplit(":", 1)
+            return [role, "--host", host, "--port", port, *to_argv(engine, threads=threads),
+                    *to_argv(observe, metrics_port=next(metrics)), *secure]
+
+        workers_up = [spawn("prefill worker", a, worker_argv("prefill", a, prefill_threads)) for a in prefill]
+        own: list[str] = []
         if role == "decode":
-            allowed += ["--local-prefill-max-tokens", str(args.local_prefill_max_tokens)]
-            if prefill_threads + decode_threads > cores:  # prefill runs on these cores too: make room for it
-                allowed += ["--threads-while-prefilling", str(max(1, decode_threads - prefill_threads))]
-        workers_up += [spawn(f"{role} worker", a, [role, "--host", a.rsplit(":", 1)[0], "--port", a.rsplit(":", 1)[1],
-                                                   *common, "--threads", str(decode_threads), *observe, *allowed,
-                                                   "--metrics-port", str(next(metrics))])
-                       for a in decode]
+            share = max(1, decode_threads - prefill_threads) if prefill_threads + decode_threads > cores else None
+            own = [*to_argv(DecodeOptions(prefill=",".join(prefill), threads_while_prefilling=share)),
+                   *to_argv(from_args(LocalPrefillOptions, args))]  # prefill on these cores too: make room for it
+        workers_up += [spawn(f"{role} worker", a, [*worker_argv(role, a, decode_threads), *own]) for a in decode]
         asyncio.run(_wait_serving(workers_up, timeout=600, tls=tls))
         gateway = f"{args.host}:{args.port}"
         key_env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None  # not on argv: ps shows it
-        http = ["--http-port", str(args.http_port)] + (["--http-host", args.http_host] if args.http_host else [])
-        http += ["--routing", args.routing, "--overlap-weight", str(args.overlap_weight)]
-        spawn("gateway", gateway, ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
-                                   "--prefill", ",".join(prefill), "--decode", ",".join(decode), *observe, *http,
-                                   "--metrics-port", str(metric_ports[0] if metric_ports else -1)], key_env)
+        spawn("gateway", gateway, ["gateway", "--model", engine.model, "--host", args.host, "--port", str(args.port),
+                                   "--prefill", ",".join(prefill), "--decode", ",".join(decode),
+                                   *to_argv(observe, metrics_port=metric_ports[0] if metric_ports else -1), *secure,
+                                   *to_argv(http), *to_argv(from_args(RoutingOptions, args))], key_env)
         asyncio.run(_wait_serving(services[-1:], timeout=120, tls=tls))
         print(f"pdserve is up: gateway {gateway}, prefill {prefill}, decode {decode} "
               f"({time.perf_counter() - t0:.1f}s)", flush=True)
-        if args.http_port >= 0:
-            print(f"OpenAI-compatible API: http://{args.http_host or args.host}:{args.http_port}/v1", flush=True)
+        if http.http_port >= 0:
+            print(f"OpenAI-compatible API: http://{http.http_host or args.host}:{http.http_port}/v1", flush=True)
         if metric_ports:
-            print(f"metrics: http://{args.metrics_host or args.host}:{metric_ports[0]}/metrics (gateway), "
+            print(f"metrics: http://{observe.metrics_host or args.host}:{metric_ports[0]}/metrics (gateway), "
                   f"ports {metric_ports[1]}-{metric_ports[-1]} (prefill, then decode)", flush=True)
-        if args.prompt:
-            ns = argparse.Namespace(prompt=args.prompt, max_tokens=256, temperature=0.0, top_p=None, seed=None,
+        if up.prompt:
+            ns = argparse.Namespace(prompt=up.prompt, max_tokens=256, temperature=0.0, top_p=None, seed=None,
                                     stop=[], raw=False, api_key=args.api_key, tls_cert=args.tls_cert,
                                     tls_key=args.tls_key, tls_ca=args.tls_ca,
                                     tls_server_name=args.tls_server_name)
             asyncio.run(stream_completion(gateway, ns))
             print(f"[first answer {time.perf_counter() - t0:.1f}s after start]", file=sys.stderr)
-            if args.exit_after_prompt:
+            if up.exit_after_prompt:
                 return 0
         print("serving; Ctrl-C stops", flush=True)
         while True:
