@@ -8,6 +8,7 @@ SLO given (`ttft`, `tpot`, `e2el`, in milliseconds).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -64,8 +65,12 @@ def summarize(values_s: list[float], percentiles: list[float]) -> Summary:
     ms = np.asarray(values_s, dtype=np.float64) * 1000.0
     if ms.size == 0:
         return Summary(0.0, 0.0, 0.0, {_pname(p): 0.0 for p in percentiles})
-    return Summary(float(ms.mean()), float(np.median(ms)), float(ms.std()),
-                   {_pname(p): float(np.percentile(ms, p)) for p in percentiles})
+    return Summary(
+        float(ms.mean()),
+        float(np.median(ms)),
+        float(ms.std()),
+        {_pname(p): float(np.percentile(ms, p)) for p in percentiles},
+    )
 
 
 def _pname(p: float) -> str:
@@ -96,24 +101,34 @@ def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
     return True
 
 
-def compute_metrics(results: list[RequestResult], duration_s: float, percentiles: list[float] = (99,),
-                    slos: dict[str, float] | None = None, max_concurrent: int = 0) -> BenchMetrics:
+def compute_metrics(
+    results: list[RequestResult],
+    duration_s: float,
+    percentiles: Sequence[float] = (99,),
+    slos: dict[str, float] | None = None,
+    max_concurrent: int = 0,
+) -> BenchMetrics:
     ok = [r for r in results if r.success]
     inputs = sum(r.prompt_len for r in ok)
     outputs = sum(r.output_len for r in ok)
     duration_s = max(duration_s, 1e-9)
     good = sum(1 for r in ok if meets_slos(r, slos)) if slos else None
     return BenchMetrics(
-        completed=len(ok), failed=len(results) - len(ok), duration_s=duration_s,
-        total_input_tokens=inputs, total_output_tokens=outputs,
-        request_throughput=len(ok) / duration_s, output_throughput=outputs / duration_s,
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        duration_s=duration_s,
+        total_input_tokens=inputs,
+        total_output_tokens=outputs,
+        request_throughput=len(ok) / duration_s,
+        output_throughput=outputs / duration_s,
         total_token_throughput=(inputs + outputs) / duration_s,
         request_goodput=good / duration_s if good is not None else None,
         ttft_ms=summarize([r.ttft for r in ok], list(percentiles)),
         tpot_ms=summarize([r.tpot for r in ok if r.tpot is not None], list(percentiles)),
         itl_ms=summarize([gap for r in ok for gap in r.itl], list(percentiles)),
         e2el_ms=summarize([r.latency for r in ok], list(percentiles)),
-        max_concurrent_requests=max_concurrent)
+        max_concurrent_requests=max_concurrent,
+    )
 
 
 def format_table(m: BenchMetrics, title: str = "Serving Benchmark Result") -> str:
@@ -129,14 +144,18 @@ def format_table(m: BenchMetrics, title: str = "Serving Benchmark Result") -> st
     ]
     if m.request_goodput is not None:
         rows.append(("Request goodput (req/s):", f"{m.request_goodput:.2f}"))
-    rows += [("Output token throughput (tok/s):", f"{m.output_throughput:.2f}"),
-             ("Total token throughput (tok/s):", f"{m.total_token_throughput:.2f}")]
+    rows += [
+        ("Output token throughput (tok/s):", f"{m.output_throughput:.2f}"),
+        ("Total token throughput (tok/s):", f"{m.total_token_throughput:.2f}"),
+    ]
     lines = [f"{'=' * 18} {title} {'=' * max(0, 30 - len(title))}"]
     lines += [f"{k:<40}{v:<10}" for k, v in rows]
-    for name, label, s in (("ttft_ms", "Time to First Token", m.ttft_ms),
-                           ("tpot_ms", "Time per Output Token (excl. 1st token)", m.tpot_ms),
-                           ("itl_ms", "Inter-token Latency", m.itl_ms),
-                           ("e2el_ms", "End-to-end Latency", m.e2el_ms)):
+    for name, label, s in (
+        ("ttft_ms", "Time to First Token", m.ttft_ms),
+        ("tpot_ms", "Time per Output Token (excl. 1st token)", m.tpot_ms),
+        ("itl_ms", "Inter-token Latency", m.itl_ms),
+        ("e2el_ms", "End-to-end Latency", m.e2el_ms),
+    ):
         short = name.split("_")[0].upper()
         lines.append(f"{'-' * 15}{label}{'-' * max(0, 35 - len(label))}")
         lines.append(f"{f'Mean {short} (ms):':<40}{s.mean:<10.2f}")

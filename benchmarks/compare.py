@@ -22,8 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.benchmarks.load_gen import GrpcTarget, OpenAIDisaggTarget, OpenAITarget, make_requests, run_load
 from pdserve.benchmarks.bench_stats import compute_metrics
+from pdserve.benchmarks.load_gen import GrpcTarget, OpenAIDisaggTarget, OpenAITarget, make_requests, run_load
 
 SYSTEMS = ("hf", "pdserve-colocated", "pdserve-disagg", "vllm", "vllm-disagg")
 
@@ -38,7 +38,7 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}")
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -62,8 +62,9 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 def spawn(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     with log.open("w") as f:
-        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                start_new_session=True)
+        return subprocess.Popen(
+            argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
+        )
 
 
 async def _load(make_target, reqs, concurrency: int, warm):
@@ -88,17 +89,34 @@ class Runner:
         return make_requests(n, input_lens or [a.input_len], a.output_len, seed, weights, vocab=(1000, 40000))
 
     def record(self, system: str, concurrency: int, metrics: dict, extra: dict | None = None) -> None:
-        row = {"system": system, "concurrency": concurrency, "input_len": self.args.input_len,
-               "output_len": self.args.output_len, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               **(extra or {}), **metrics}
+        row = {
+            "system": system,
+            "concurrency": concurrency,
+            "input_len": self.args.input_len,
+            "output_len": self.args.output_len,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            **(extra or {}),
+            **metrics,
+        }
         with self.runs.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        print(f"{system:>18} c={concurrency:<3} out tok/s {metrics['output_throughput']:8.1f}  "
-              f"TTFT p50 {metrics['ttft_ms']['median']:8.0f} ms  ITL p50 {metrics['itl_ms']['median']:6.1f} ms  "
-              f"p99 {metrics['itl_ms']['percentiles']['p99']:6.1f} ms  failed {metrics['failed']}", flush=True)
+        print(
+            f"{system:>18} c={concurrency:<3} out tok/s {metrics['output_throughput']:8.1f}  "
+            f"TTFT p50 {metrics['ttft_ms']['median']:8.0f} ms  ITL p50 {metrics['itl_ms']['median']:6.1f} ms  "
+            f"p99 {metrics['itl_ms']['percentiles']['p99']:6.1f} ms  failed {metrics['failed']}",
+            flush=True,
+        )
 
-    def sweep(self, system: str, target, label_extra: dict | None = None, concurrency: list[int] | None = None,
-              temperature: float = 0.0, top_p: float = 1.0, prompts: int = 0) -> None:
+    def sweep(
+        self,
+        system: str,
+        target,
+        label_extra: dict | None = None,
+        concurrency: list[int] | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        prompts: int = 0,
+    ) -> None:
         """`prompts` picks the prompt set: a row that runs after another on the same server takes its own, or
         a server with a prefix cache would skip prefilling what it already saw and look faster than it is."""
         for c in concurrency or self.args.concurrency:
@@ -110,24 +128,41 @@ class Runner:
             for w in warm:
                 w.output_len = 8
             results, duration, peak = asyncio.run(_load(target, reqs, c, warm))
-            self.record(system, c, compute_metrics(results, duration, [50, 90, 99], None, peak).as_dict(),
-                        label_extra)
+            self.record(system, c, compute_metrics(results, duration, [50, 90, 99], None, peak).as_dict(), label_extra)
 
     def sampled(self, system: str, target) -> None:
         """The top concurrency again with temperature 0.8 and top_p 0.95: what sampling costs."""
-        self.sweep(system + " (sampled)", target, {"sampling": "temperature 0.8, top_p 0.95"},
-                   [max(self.args.concurrency)], temperature=0.8, top_p=0.95, prompts=1)
+        self.sweep(
+            system + " (sampled)",
+            target,
+            {"sampling": "temperature 0.8, top_p 0.95"},
+            [max(self.args.concurrency)],
+            temperature=0.8,
+            top_p=0.95,
+            prompts=1,
+        )
 
     def mixed(self, system: str, target) -> None:
         """Long and short prompts together: what disaggregation is for (decode ITL shielded from prefills)."""
         a = self.args
-        reqs = make_requests(a.mixed_requests, [a.mixed_short, a.mixed_long], a.mixed_output, 7,
-                             [1 - a.mixed_long_fraction, a.mixed_long_fraction], vocab=(1000, 40000))
+        reqs = make_requests(
+            a.mixed_requests,
+            [a.mixed_short, a.mixed_long],
+            a.mixed_output,
+            7,
+            [1 - a.mixed_long_fraction, a.mixed_long_fraction],
+            vocab=(1000, 40000),
+        )
         results, duration, peak = asyncio.run(_load(target, reqs, a.mixed_concurrency, []))
-        self.record(system + " (mixed)", a.mixed_concurrency,
-                    compute_metrics(results, duration, [50, 90, 99], None, peak).as_dict(),
-                    {"load": f"{a.mixed_requests} req, {int(a.mixed_long_fraction * 100)}% {a.mixed_long}-token "
-                             f"prompts, rest {a.mixed_short}, {a.mixed_output} out"})
+        self.record(
+            system + " (mixed)",
+            a.mixed_concurrency,
+            compute_metrics(results, duration, [50, 90, 99], None, peak).as_dict(),
+            {
+                "load": f"{a.mixed_requests} req, {int(a.mixed_long_fraction * 100)}% {a.mixed_long}-token "
+                f"prompts, rest {a.mixed_short}, {a.mixed_output} out"
+            },
+        )
 
     # ---- systems ---------------------------------------------------------------------------------------------
 
@@ -149,21 +184,53 @@ class Runner:
             start = time.perf_counter()
             with torch.inference_mode():
                 for i in range(0, n, batch):
-                    ids = torch.tensor(prompts[i:i + batch])
-                    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
-                                   min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+                    ids = torch.tensor(prompts[i : i + batch])
+                    model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=out_len,
+                        min_new_tokens=out_len,
+                        do_sample=False,
+                        pad_token_id=0,
+                    )
             elapsed = time.perf_counter() - start
-            metrics = {"output_throughput": n * out_len / elapsed, "completed": n, "failed": 0,
-                       "duration_s": elapsed, "ttft_ms": {"median": float("nan")},
-                       "itl_ms": {"median": float("nan"), "percentiles": {"p99": float("nan")}}}
+            metrics = {
+                "output_throughput": n * out_len / elapsed,
+                "completed": n,
+                "failed": 0,
+                "duration_s": elapsed,
+                "ttft_ms": {"median": float("nan")},
+                "itl_ms": {"median": float("nan"), "percentiles": {"p99": float("nan")}},
+            }
             self.record("hf-generate", batch, metrics, {"note": "static batches, no streaming"})
 
     def pdserve(self, colocated: bool) -> None:
         name = "pdserve-colocated" if colocated else "pdserve-disagg"
         port, http = free_port(), free_port()
-        argv = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "up", "--dtype", "bfloat16",
-                "--port", str(port), "--prefill-port", str(free_port()), "--decode-port", str(free_port()),
-                "--metrics-port", "-1", "--kv-cache-memory", "1G", "--max-num-seqs", "64", "--http-port", str(http)]
+        argv = [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "--log-level",
+            "WARNING",
+            "up",
+            "--dtype",
+            "bfloat16",
+            "--port",
+            str(port),
+            "--prefill-port",
+            str(free_port()),
+            "--decode-port",
+            str(free_port()),
+            "--metrics-port",
+            "-1",
+            "--kv-cache-memory",
+            "1G",
+            "--max-num-seqs",
+            "64",
+            "--http-port",
+            str(http),
+        ]
         if colocated:
             argv.append("--colocated")
         proc = spawn(argv, self.out / f"{name}.log", {"UCX_NET_DEVICES": "lo"})
@@ -185,15 +252,34 @@ class Runner:
             stop([proc])
 
     def _vllm_env(self, bind: str) -> dict:
-        return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
-                "VLLM_CPU_OMP_THREADS_BIND": bind, "TRANSFORMERS_OFFLINE": "1"}
+        return {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "4",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": bind,
+            "TRANSFORMERS_OFFLINE": "1",
+        }
 
     def _vllm_argv(self, port: int) -> list[str]:
         from pdserve.engine.model_store import resolve_model
 
-        return [self.args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                str(resolve_model(None)), "--served-model-name", "smollm2", "--dtype", "bfloat16",
-                "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)]
+        return [
+            self.args.vllm_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(resolve_model(None)),
+            "--served-model-name",
+            "smollm2",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "2048",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
 
     def vllm(self) -> None:
         port = free_port()
@@ -210,13 +296,15 @@ class Runner:
         ports = [free_port(), free_port()]
         procs = []
         try:
-            for role, port, side, bind in (("kv_producer", ports[0], 5601, self.args.vllm_prefill_bind),
-                                           ("kv_consumer", ports[1], 5602, self.args.vllm_decode_bind)):
+            for role, port, side, bind in (
+                ("kv_producer", ports[0], 5601, self.args.vllm_prefill_bind),
+                ("kv_consumer", ports[1], 5602, self.args.vllm_decode_bind),
+            ):
                 cfg = json.dumps({"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"})
-                env = {**self._vllm_env(bind), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side),
-                       "VLLM_CPU_KVCACHE_SPACE": "2"}
-                procs.append(spawn([*self._vllm_argv(port), "--kv-transfer-config", cfg],
-                                   self.out / f"vllm-{role}.log", env))
+                env = {**self._vllm_env(bind), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side), "VLLM_CPU_KVCACHE_SPACE": "2"}
+                procs.append(
+                    spawn([*self._vllm_argv(port), "--kv-transfer-config", cfg], self.out / f"vllm-{role}.log", env)
+                )
             for port, proc in zip(ports, procs):
                 wait_http(f"http://127.0.0.1:{port}/health", proc, 900)
             prefill, decode = (f"http://127.0.0.1:{p}" for p in ports)
@@ -227,9 +315,13 @@ class Runner:
     def run(self) -> None:
         for system in self.args.systems:
             try:
-                {"hf": self.hf, "pdserve-colocated": lambda: self.pdserve(True),
-                 "pdserve-disagg": lambda: self.pdserve(False), "vllm": self.vllm,
-                 "vllm-disagg": self.vllm_disagg}[system]()
+                {
+                    "hf": self.hf,
+                    "pdserve-colocated": lambda: self.pdserve(True),
+                    "pdserve-disagg": lambda: self.pdserve(False),
+                    "vllm": self.vllm,
+                    "vllm-disagg": self.vllm_disagg,
+                }[system]()
             except Exception as e:  # noqa: BLE001 - one system failing must not lose the others' numbers
                 self.skipped[system] = f"{type(e).__name__}: {e}"
                 print(f"{system}: skipped: {self.skipped[system]}", flush=True)
@@ -241,8 +333,10 @@ def load_rows(path: Path) -> list[dict]:
 
 
 def summary_markdown(rows: list[dict]) -> str:
-    lines = ["| system | concurrency | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT p50 (ms) | "
-             "failed |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| system | concurrency | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | TPOT p50 (ms) | failed |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         ttft, itl = r.get("ttft_ms", {}), r.get("itl_ms", {})
         tpot = r.get("tpot_ms", {})
@@ -250,10 +344,12 @@ def summary_markdown(rows: list[dict]) -> str:
         def f(x):
             return "-" if x is None or x != x else f"{x:.0f}" if x >= 100 else f"{x:.1f}"
 
-        lines.append(f"| {r['system']} | {r['concurrency']} | {r['output_throughput']:.1f} | "
-                     f"{f(ttft.get('median'))} / {f(ttft.get('percentiles', {}).get('p99'))} | "
-                     f"{f(itl.get('median'))} / {f(itl.get('percentiles', {}).get('p99'))} | "
-                     f"{f(tpot.get('median'))} | {r.get('failed', 0)} |")
+        lines.append(
+            f"| {r['system']} | {r['concurrency']} | {r['output_throughput']:.1f} | "
+            f"{f(ttft.get('median'))} / {f(ttft.get('percentiles', {}).get('p99'))} | "
+            f"{f(itl.get('median'))} / {f(itl.get('percentiles', {}).get('p99'))} | "
+            f"{f(tpot.get('median'))} | {r.get('failed', 0)} |"
+        )
     return "\n".join(lines)
 
 

@@ -25,9 +25,15 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         ids = torch.tensor([prompt], device=model.device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def engine_greedy(path: str, device: str, dtype: str, backend: str, batch: list[list[int]], n: int) -> list[list[int]]:
@@ -35,8 +41,16 @@ def engine_greedy(path: str, device: str, dtype: str, backend: str, batch: list[
     from pdserve.engine.engine_core import EngineCore
     from pdserve.engine.sampling_params import SamplingParams
 
-    core = EngineCore(EngineConfig(model=path, dtype=dtype, device=device, attention_backend=backend,
-                                   max_num_seqs=len(batch), kv_cache_memory=256 << 20))
+    core = EngineCore(
+        EngineConfig(
+            model=path,
+            dtype=dtype,
+            device=device,
+            attention_backend=backend,
+            max_num_seqs=len(batch),
+            kv_cache_memory=256 << 20,
+        )
+    )
     return core.generate(batch, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
 
 
@@ -44,8 +58,9 @@ async def served_greedy(address: str, batch: list[list[int]], n: int) -> list[li
     from pdserve.client import Client
 
     async with Client(address) as client:
-        done = await asyncio.gather(*(client.complete(prompt_token_ids=p, max_tokens=n, temperature=0.0,
-                                                      ignore_eos=True) for p in batch))
+        done = await asyncio.gather(
+            *(client.complete(prompt_token_ids=p, max_tokens=n, temperature=0.0, ignore_eos=True) for p in batch)
+        )
     return [list(d.token_ids) for d in done]
 
 
@@ -76,9 +91,20 @@ def main() -> None:
         got = engine_greedy(path, args.device, args.dtype, args.backend, batch, args.tokens)
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
     total = sum(len(w) for w in want)
-    print(json.dumps({"what": "served" if args.served else f"engine ({args.backend})", "device": args.device,
-                      "dtype": args.dtype, "requests": len(batch), "tokens": total, "matching": same,
-                      "match": same / total, "exact": got == want}))
+    print(
+        json.dumps(
+            {
+                "what": "served" if args.served else f"engine ({args.backend})",
+                "device": args.device,
+                "dtype": args.dtype,
+                "requests": len(batch),
+                "tokens": total,
+                "matching": same,
+                "match": same / total,
+                "exact": got == want,
+            }
+        )
+    )
     if args.dtype == "float32" and got != want:
         raise SystemExit(1)
 

@@ -37,8 +37,14 @@ def bench_hf(model, prompts, out_len) -> float:
     ids = torch.tensor(prompts, device=model.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
-                             min_new_tokens=out_len, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=out_len,
+            min_new_tokens=out_len,
+            do_sample=False,
+            pad_token_id=0,
+        )
     if out.is_cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -71,12 +77,21 @@ def main() -> None:
     path = resolve_model(args.model)
     dtype = parse_dtype(args.dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval().to(args.device)
-    engine = EngineCore(EngineConfig(model=str(path), dtype=args.dtype, max_num_seqs=max(args.batches),
-                                    kv_cache_memory=args.kv_cache_memory, device=args.device))
+    engine = EngineCore(
+        EngineConfig(
+            model=str(path),
+            dtype=args.dtype,
+            max_num_seqs=max(args.batches),
+            kv_cache_memory=args.kv_cache_memory,
+            device=args.device,
+        )
+    )
     bench_engine(engine, _prompts(2, 16, 0), 4)  # warm-up
     rows = []
-    print(f"dtype={args.dtype} device={args.device} threads={torch.get_num_threads()} prompt={args.prompt_len} "
-          f"out={args.output_len}")
+    print(
+        f"dtype={args.dtype} device={args.device} threads={torch.get_num_threads()} prompt={args.prompt_len} "
+        f"out={args.output_len}"
+    )
     print(f"{'batch':>5} {'pdserve tok/s':>14} {'HF tok/s':>10} {'ratio':>6}   (median of {args.repeats})")
     for b in args.batches:
         ours, theirs = [], []
@@ -84,8 +99,13 @@ def main() -> None:
             prompts = _prompts(b, args.prompt_len, seed=r + 1)
             ours.append(bench_engine(engine, prompts, args.output_len))
             theirs.append(bench_hf(hf, prompts, args.output_len))
-        row = {"batch": b, "pdserve": statistics.median(ours), "hf": statistics.median(theirs),
-               "pdserve_runs": ours, "hf_runs": theirs}
+        row = {
+            "batch": b,
+            "pdserve": statistics.median(ours),
+            "hf": statistics.median(theirs),
+            "pdserve_runs": ours,
+            "hf_runs": theirs,
+        }
         row["ratio"] = row["pdserve"] / row["hf"]
         rows.append(row)
         print(f"{b:>5} {row['pdserve']:>14.1f} {row['hf']:>10.1f} {row['ratio']:>6.2f}", flush=True)

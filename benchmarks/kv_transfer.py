@@ -18,11 +18,14 @@ import os
 import statistics
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
-LAYOUT = dict(model="bench-135m", dtype="bfloat16", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64)
+LAYOUT: dict[str, Any] = dict(
+    model="bench-135m", dtype="bfloat16", num_layers=30, block_size=16, num_kv_heads=3, head_dim=64
+)
 
 
 def _cache(num_blocks: int, random: bool) -> torch.Tensor:
@@ -36,8 +39,8 @@ def _receiver(pipe, num_blocks: int) -> None:
     import ucxx
 
     from pdserve.kernels.kv_layout import KVLayout
-    from pdserve.kvtransfer.receiver import KVReceiver
     from pdserve.kvtransfer.backends import make_transport
+    from pdserve.kvtransfer.receiver import KVReceiver
 
     async def raw_handler(ep) -> None:
         while True:
@@ -57,8 +60,10 @@ def _receiver(pipe, num_blocks: int) -> None:
         receivers = {name: await KVReceiver(cache, layout, make_transport(name)).start() for name in ("ucx", "tcp")}
         raw = ucxx.create_listener(raw_handler)
         commands: asyncio.Queue = asyncio.Queue()
-        threading.Thread(target=lambda: [loop.call_soon_threadsafe(commands.put_nowait, pipe.recv())
-                                         for _ in iter(int, 1)], daemon=True).start()
+        threading.Thread(
+            target=lambda: [loop.call_soon_threadsafe(commands.put_nowait, pipe.recv()) for _ in iter(int, 1)],
+            daemon=True,
+        ).start()
         pipe.send({name: r.address for name, r in receivers.items()} | {"raw": raw.port})
         while True:
             cmd = await commands.get()
@@ -101,7 +106,12 @@ async def _pdserve(sender, address: str, pipe, name: str, blocks: int, repeats: 
         await sender.connect(address)
         sender.begin(rid, address, ids, "bench")
         t0 = time.perf_counter()
-        await asyncio.to_thread(lambda: [sender.send_layer(rid, layer) for layer in range(LAYOUT["num_layers"])])
+
+        def push(rid: str = rid) -> None:
+            for layer in range(LAYOUT["num_layers"]):
+                sender.send_layer(rid, layer)
+
+        await asyncio.to_thread(push)
         stats = await sender.finish(rid)
         out.append(stats.nbytes / (time.perf_counter() - t0) / 1e9)
     return out[1:]
@@ -132,8 +142,8 @@ def main() -> None:
         os.environ.setdefault(k, v)
 
     from pdserve.kernels.kv_layout import KVLayout
-    from pdserve.kvtransfer.sender import KVSender
     from pdserve.kvtransfer.backends import make_transport
+    from pdserve.kvtransfer.sender import KVSender
 
     max_blocks = max(-(-t // LAYOUT["block_size"]) for t in args.tokens)
     ctx = mp.get_context("spawn")
@@ -147,21 +157,30 @@ def main() -> None:
         layout = KVLayout(**LAYOUT, num_blocks=max_blocks)
         senders = {name: KVSender(cache, layout, make_transport(name)) for name in ("ucx", "tcp")}
         rows = []
-        print(f"{'tokens':>6} {'MiB':>7} {'memcpy':>8} {'raw ucxx':>9} {'pdserve ucx':>12} {'pdserve tcp':>12}"
-              f" {'ucx/raw':>8}   GB/s, median of {args.repeats}")
+        print(
+            f"{'tokens':>6} {'MiB':>7} {'memcpy':>8} {'raw ucxx':>9} {'pdserve ucx':>12} {'pdserve tcp':>12}"
+            f" {'ucx/raw':>8}   GB/s, median of {args.repeats}"
+        )
         for tokens in args.tokens:
             blocks = -(-tokens // LAYOUT["block_size"])
             nbytes = blocks * layout.block_nbytes
-            row = {"tokens": tokens, "bytes": nbytes,
-                   "memcpy": statistics.median(_memcpy(nbytes, args.repeats)),
-                   "raw_ucxx": statistics.median(await _raw_ucxx(addresses["raw"], nbytes, args.repeats))}
+            row = {
+                "tokens": tokens,
+                "bytes": nbytes,
+                "memcpy": statistics.median(_memcpy(nbytes, args.repeats)),
+                "raw_ucxx": statistics.median(await _raw_ucxx(addresses["raw"], nbytes, args.repeats)),
+            }
             for name, sender in senders.items():
                 row[f"pdserve_{name}"] = statistics.median(
-                    await _pdserve(sender, addresses[name], pipe, name, blocks, args.repeats))
+                    await _pdserve(sender, addresses[name], pipe, name, blocks, args.repeats)
+                )
             row["ucx_over_raw"] = row["pdserve_ucx"] / row["raw_ucxx"]
             rows.append(row)
-            print(f"{tokens:>6} {nbytes / 2**20:>7.1f} {row['memcpy']:>8.2f} {row['raw_ucxx']:>9.2f} "
-                  f"{row['pdserve_ucx']:>12.2f} {row['pdserve_tcp']:>12.2f} {row['ucx_over_raw']:>8.2f}", flush=True)
+            print(
+                f"{tokens:>6} {nbytes / 2**20:>7.1f} {row['memcpy']:>8.2f} {row['raw_ucxx']:>9.2f} "
+                f"{row['pdserve_ucx']:>12.2f} {row['pdserve_tcp']:>12.2f} {row['ucx_over_raw']:>8.2f}",
+                flush=True,
+            )
         for s in senders.values():
             await s.close()
         return rows

@@ -15,9 +15,9 @@ import os
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
 
 from pdserve.benchmarks.bench_stats import RequestResult, compute_metrics, format_table, parse_goodput
 
@@ -30,9 +30,17 @@ class BenchRequest:
     top_p: float = 1.0
 
 
-def make_requests(n: int, input_lens: list[int], output_len: int, seed: int, weights: list[float] | None = None,
-                  range_ratio: float = 0.0, prefix_len: int = 0, vocab: tuple[int, int] = (1000, 32000),
-                  num_prefixes: int = 1) -> list[BenchRequest]:
+def make_requests(
+    n: int,
+    input_lens: list[int],
+    output_len: int,
+    seed: int,
+    weights: list[float] | None = None,
+    range_ratio: float = 0.0,
+    prefix_len: int = 0,
+    vocab: tuple[int, int] = (1000, 32000),
+    num_prefixes: int = 1,
+) -> list[BenchRequest]:
     """`n` prompts of random token ids: each length drawn from `input_lens` (by `weights`), then spread
     uniformly over +-range_ratio; behind one of `num_prefixes` shared prefixes of `prefix_len` ids."""
     rng = random.Random(seed)
@@ -62,8 +70,13 @@ class GrpcTarget:
         result = RequestResult(len(req.prompt_ids))
         start = last = time.perf_counter()
         try:
-            async for resp in self.client.stream(prompt_token_ids=req.prompt_ids, max_tokens=req.output_len,
-                                                 temperature=req.temperature, top_p=req.top_p, ignore_eos=True):
+            async for resp in self.client.stream(
+                prompt_token_ids=req.prompt_ids,
+                max_tokens=req.output_len,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                ignore_eos=True,
+            ):
                 now = time.perf_counter()
                 if not resp.token_ids:
                     continue
@@ -117,9 +130,16 @@ class OpenAITarget:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=6 * 3600), headers=headers)
 
     def body(self, req: BenchRequest) -> dict:
-        return {"model": self.model, "prompt": req.prompt_ids, "max_tokens": req.output_len,
-                "temperature": req.temperature, "top_p": req.top_p, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+        return {
+            "model": self.model,
+            "prompt": req.prompt_ids,
+            "max_tokens": req.output_len,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
 
     async def _stream(self, url: str, body: dict, result: RequestResult, start: float) -> None:
         last = start
@@ -132,7 +152,7 @@ class OpenAITarget:
                 buffer += piece
                 events, buffer = parse_sse(buffer)
                 for event in events:
-                    if event == "[DONE]":
+                    if not isinstance(event, dict):  # "[DONE]"
                         continue
                     now = time.perf_counter()
                     if event.get("choices") and event["choices"][0].get("text") is not None:
@@ -172,10 +192,21 @@ class OpenAIDisaggTarget(OpenAITarget):
         result = RequestResult(len(req.prompt_ids))
         start = time.perf_counter()
         try:
-            leg = {"model": self.model, "prompt": req.prompt_ids, "max_tokens": 1, "temperature": 0.0,
-                   "stream": False, "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                                           "remote_engine_id": None, "remote_block_ids": None,
-                                                           "remote_host": None, "remote_port": None}}
+            leg = {
+                "model": self.model,
+                "prompt": req.prompt_ids,
+                "max_tokens": 1,
+                "temperature": 0.0,
+                "stream": False,
+                "kv_transfer_params": {
+                    "do_remote_decode": True,
+                    "do_remote_prefill": False,
+                    "remote_engine_id": None,
+                    "remote_block_ids": None,
+                    "remote_host": None,
+                    "remote_port": None,
+                },
+            }
             async with self.session.post(self.prefill_url, json=leg) as resp:
                 if resp.status != 200:
                     raise RuntimeError(f"prefill leg HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -204,16 +235,24 @@ class Progress:
         if self.enabled and (now - self._shown > 0.2 or self.done == self.total):
             self._shown = now
             filled = int(30 * self.done / max(self.total, 1))
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} requests"
-                             + (f", {self.failed} failed" if self.failed else ""))
+            sys.stderr.write(
+                f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} requests"
+                + (f", {self.failed} failed" if self.failed else "")
+            )
             if self.done == self.total:
                 sys.stderr.write("\n")
             sys.stderr.flush()
 
 
-async def run_load(send: SendFn, requests: list[BenchRequest], max_concurrency: int | None,
-                   request_rate: float, seed: int, warmups: list[BenchRequest] = (),
-                   progress: Progress | None = None) -> tuple[list[RequestResult], float, int]:
+async def run_load(
+    send: SendFn,
+    requests: list[BenchRequest],
+    max_concurrency: int | None,
+    request_rate: float,
+    seed: int,
+    warmups: Sequence[BenchRequest] = (),
+    progress: Progress | None = None,
+) -> tuple[list[RequestResult], float, int]:
     """Send `requests` (Poisson arrivals at `request_rate`/s, or all at once for inf) under a concurrency cap;
     returns (results in request order, measured duration, highest concurrency seen)."""
     if warmups:
@@ -249,9 +288,13 @@ async def run_load(send: SendFn, requests: list[BenchRequest], max_concurrency: 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", default="pdserve", choices=["pdserve", "openai", "openai-pd"],
-                   help="pdserve: the gateway's gRPC API; openai: /v1/completions of any OpenAI-compatible server; "
-                        "openai-pd: vLLM disaggregated (--base-url is the decode server, --prefill-url the prefill)")
+    p.add_argument(
+        "--backend",
+        default="pdserve",
+        choices=["pdserve", "openai", "openai-pd"],
+        help="pdserve: the gateway's gRPC API; openai: /v1/completions of any OpenAI-compatible server; "
+        "openai-pd: vLLM disaggregated (--base-url is the decode server, --prefill-url the prefill)",
+    )
     p.add_argument("--address", default="127.0.0.1:50051", help="pdserve gateway host:port")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI-compatible server")
     p.add_argument("--prefill-url", default=None, help="openai-pd: the prefill (kv_producer) server")
@@ -275,8 +318,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--label", default="", help="name of this run in the JSON and plots")
     p.add_argument("--result-json", type=Path, default=None, help="append this run's metrics (one JSON per line)")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="API key (default $PDSERVE_API_KEY)")
-    p.add_argument("--tls-ca", default=os.environ.get("PDSERVE_TLS_CA"), help="pdserve backend: CA to verify the "
-                                                                               "gateway with (turns TLS on)")
+    p.add_argument(
+        "--tls-ca",
+        default=os.environ.get("PDSERVE_TLS_CA"),
+        help="pdserve backend: CA to verify the gateway with (turns TLS on)",
+    )
 
 
 def make_target(args: argparse.Namespace):
@@ -295,28 +341,51 @@ async def bench(args: argparse.Namespace) -> dict:
     slos = parse_goodput(args.goodput)
     lens = [int(x) for x in args.input_len.split(",")]
     weights = [float(x) for x in args.input_weights.split(",")] if args.input_weights else None
-    vocab = tuple(int(x) for x in args.vocab_range.split(","))
-    reqs = make_requests(args.num_requests, lens, args.output_len, args.seed, weights, args.range_ratio,
-                         args.prefix_len, vocab, args.num_prefixes)
-    warm = make_requests(args.num_warmups, lens, min(args.output_len, 8), args.seed + 1, weights, 0.0,
-                         args.prefix_len, vocab)
+    low, high = (int(x) for x in args.vocab_range.split(","))
+    vocab = (low, high)
+    reqs = make_requests(
+        args.num_requests,
+        lens,
+        args.output_len,
+        args.seed,
+        weights,
+        args.range_ratio,
+        args.prefix_len,
+        vocab,
+        args.num_prefixes,
+    )
+    warm = make_requests(
+        args.num_warmups, lens, min(args.output_len, 8), args.seed + 1, weights, 0.0, args.prefix_len, vocab
+    )
     for r in reqs + warm:
         r.temperature, r.top_p = args.temperature, args.top_p
     target = make_target(args)
     try:
-        results, duration, peak = await run_load(target, reqs, args.max_concurrency, args.request_rate, args.seed,
-                                                 warm, Progress(len(reqs)))
+        results, duration, peak = await run_load(
+            target, reqs, args.max_concurrency, args.request_rate, args.seed, warm, Progress(len(reqs))
+        )
     finally:
         await target.close()
     percentiles = [float(p) for p in args.percentiles.split(",")]
     metrics = compute_metrics(results, duration, percentiles, slos, peak)
     errors = sorted({r.error for r in results if not r.success})
-    record = {"label": args.label, "backend": args.backend, "num_requests": args.num_requests,
-              "max_concurrency": args.max_concurrency, "request_rate": args.request_rate, "input_len": args.input_len,
-              "input_weights": args.input_weights, "output_len": args.output_len, "prefix_len": args.prefix_len,
-              "temperature": args.temperature, "top_p": args.top_p,
-              "goodput_slos_ms": slos, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "errors": errors[:5], **metrics.as_dict()}
+    record = {
+        "label": args.label,
+        "backend": args.backend,
+        "num_requests": args.num_requests,
+        "max_concurrency": args.max_concurrency,
+        "request_rate": args.request_rate,
+        "input_len": args.input_len,
+        "input_weights": args.input_weights,
+        "output_len": args.output_len,
+        "prefix_len": args.prefix_len,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "goodput_slos_ms": slos,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "errors": errors[:5],
+        **metrics.as_dict(),
+    }
     if metrics.completed:
         print(format_table(metrics, f"{args.label or args.backend}"))
     if errors and metrics.completed:

@@ -1,6 +1,7 @@
 """Where one decode step's time goes: the engine's own step at a fixed batch and context, timed and profiled.
 
-    python -m pdserve.benchmarks.step_profile --batch 32 --context 192 --dtype bfloat16 --threads 2 [--attention-backend torch]
+    python -m pdserve.benchmarks.step_profile --batch 32 --context 192 --dtype bfloat16 --threads 2 \
+        [--attention-backend torch]
 
 Fills the engine with `--batch` sequences whose prompts are `--context` tokens, then times `--steps` pure
 decode steps (schedule, forward, sample, update: what the serving loop runs) and prints the median step
@@ -37,16 +38,29 @@ def main() -> None:
     from pdserve.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
-    engine = EngineCore(EngineConfig(model=str(resolve_model(None)), dtype=args.dtype, max_num_seqs=args.batch,
-                                     kv_cache_memory=1 << 30, max_num_batched_tokens=max(2048, args.context),
-                                     attention_backend=args.attention_backend))
+    engine = EngineCore(
+        EngineConfig(
+            model=str(resolve_model(None)),
+            dtype=args.dtype,
+            max_num_seqs=args.batch,
+            kv_cache_memory=1 << 30,
+            max_num_batched_tokens=max(2048, args.context),
+            attention_backend=args.attention_backend,
+        )
+    )
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=4096 - args.context, temperature=args.temperature, top_p=args.top_p,
-                            ignore_eos=True, seed=1 if args.temperature else None)
+    params = SamplingParams(
+        max_tokens=4096 - args.context,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        ignore_eos=True,
+        seed=1 if args.temperature else None,
+    )
     for _ in range(args.batch):
         engine.add_request([rng.randrange(100, 40000) for _ in range(args.context)], params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
-            or engine.scheduler.waiting:
+    while (
+        any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting
+    ):
         engine.step()  # prefill everything first
     for _ in range(3):
         engine.step()
@@ -56,9 +70,11 @@ def main() -> None:
         engine.step()
         times.append(time.perf_counter() - t0)
     step = statistics.median(times)
-    print(f"batch {args.batch}, context {args.context}, {args.dtype}, {args.threads} threads, "
-          f"{engine.runner.backend.name} attention: "
-          f"decode step {step * 1e3:.1f} ms median of {args.steps} ({args.batch / step:.0f} tok/s)")
+    print(
+        f"batch {args.batch}, context {args.context}, {args.dtype}, {args.threads} threads, "
+        f"{engine.runner.backend.name} attention: "
+        f"decode step {step * 1e3:.1f} ms median of {args.steps} ({args.batch / step:.0f} tok/s)"
+    )
     if args.no_profile:
         return
     from torch.profiler import ProfilerActivity, profile

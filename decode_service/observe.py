@@ -10,13 +10,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from pdserve.decode_service.metrics import DecodeMetrics
 from pdserve.deadline import deadline_passed
+from pdserve.decode_service.metrics import DecodeMetrics
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 from pdserve.kvtransfer.stats import TransferStats
@@ -53,8 +53,13 @@ class RequestWatch:
     def admitting(self) -> Iterator[None]:
         """Around reserving the request's blocks (waiting for them included)."""
         with self.observer.tracer.start_as_current_span("decode.admit") as span:
-            span.set_attributes({"pdserve.request_id": self.seq.request_id,
-                                 "pdserve.prompt_tokens": self.seq.num_prompt_tokens, "pdserve.prefill": self.prefill})
+            span.set_attributes(
+                {
+                    "pdserve.request_id": self.seq.request_id,
+                    "pdserve.prompt_tokens": self.seq.num_prompt_tokens,
+                    "pdserve.prefill": self.prefill,
+                }
+            )
             yield
             if self.seq.block_ids:
                 span.set_attribute("pdserve.blocks", len(self.seq.block_ids))
@@ -62,8 +67,9 @@ class RequestWatch:
 
     def first_token(self) -> contextlib.AbstractContextManager:
         """Around computing the first token (here, or by a prefill worker whose call is traced inside it)."""
-        return self.observer.tracer.start_as_current_span("decode.first_token",
-                                                          attributes={"pdserve.prefill": self.prefill})
+        return self.observer.tracer.start_as_current_span(
+            "decode.first_token", attributes={"pdserve.prefill": self.prefill}
+        )
 
     def tokens(self, n: int) -> None:
         """`n` tokens are about to be streamed in one message."""
@@ -88,14 +94,26 @@ class RequestWatch:
             m.e2e.observe(e2e)
         m.requests.labels(status).inc()
         if self._stream is not None:
-            self._stream.set_attributes({"pdserve.completion_tokens": seq.num_output_tokens,
-                                         "pdserve.finish_reason": seq.finish_reason or status})
+            self._stream.set_attributes(
+                {
+                    "pdserve.completion_tokens": seq.num_output_tokens,
+                    "pdserve.finish_reason": seq.finish_reason or status,
+                }
+            )
             self._stream.end()
-        log_request(request_log, request_id=seq.request_id, trace_id=self.trace_id, status=status,
-                    finish_reason=seq.finish_reason or "", prompt_tokens=seq.num_prompt_tokens,
-                    cached_tokens=seq.num_cached_tokens, completion_tokens=seq.num_output_tokens,
-                    ttft_s=round(self.ttft, 4) if self.ttft is not None else None, e2e_s=round(e2e, 4),
-                    prefill=self.prefill)
+        log_request(
+            request_log,
+            request_id=seq.request_id,
+            trace_id=self.trace_id,
+            status=status,
+            finish_reason=seq.finish_reason or "",
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=seq.num_cached_tokens,
+            completion_tokens=seq.num_output_tokens,
+            ttft_s=round(self.ttft, 4) if self.ttft is not None else None,
+            e2e_s=round(e2e, 4),
+            prefill=self.prefill,
+        )
 
 
 class DecodeObserver:
@@ -118,9 +136,18 @@ class DecodeObserver:
         self.metrics.transfer_bytes.inc(stats.nbytes)
         self.metrics.transfer_seconds.observe(stats.seconds)
         start = int(stats.started_at * 1e9)
-        span = self.tracer.start_span("kv.receive", context=extract(stats.trace), kind=trace.SpanKind.CONSUMER,
-                                      start_time=start, attributes={
-                                          "pdserve.request_id": stats.request_id, "kv.bytes": stats.nbytes,
-                                          "kv.layers": stats.layers, "kv.blocks": stats.blocks,
-                                          "kv.gbps": stats.gbps, "kv.transport": stats.transport})
+        span = self.tracer.start_span(
+            "kv.receive",
+            context=extract(stats.trace),
+            kind=trace.SpanKind.CONSUMER,
+            start_time=start,
+            attributes={
+                "pdserve.request_id": stats.request_id,
+                "kv.bytes": stats.nbytes,
+                "kv.layers": stats.layers,
+                "kv.blocks": stats.blocks,
+                "kv.gbps": stats.gbps,
+                "kv.transport": stats.transport,
+            },
+        )
         span.end(end_time=start + int(stats.seconds * 1e9))

@@ -7,24 +7,31 @@ import logging
 import secrets
 import time
 import uuid
-from typing import Sequence
+from collections.abc import Sequence
 
 import grpc
 
 from pdserve.decode_service.observe import DecodeObserver
 from pdserve.decode_service.worker import DecodeWorker, TokenEvent
+from pdserve.discovery import resolve_ipv4
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import InvalidParameter
 from pdserve.errors import PrefillNotAllowed, status_of
 from pdserve.failure import failure_metadata
-from pdserve.kvtransfer.errors import TransferError
 from pdserve.grpc_server import RunningServer, open_channel, records_cancellation, start_server
-from pdserve.discovery import resolve_ipv4
+from pdserve.kvtransfer.errors import TransferError
+from pdserve.protos import worker_pb2, worker_pb2_grpc
 from pdserve.security import TLSConfig
 from pdserve.tracing import Tracing
-from pdserve.wire import (FINISH_REASONS, PrefillJob, PrefillResult, job_to_proto, logprob_to_proto,
-                          result_from_proto, sampling_from_proto)
-from pdserve.protos import worker_pb2, worker_pb2_grpc
+from pdserve.wire import (
+    FINISH_REASONS,
+    PrefillJob,
+    PrefillResult,
+    job_to_proto,
+    logprob_to_proto,
+    result_from_proto,
+    sampling_from_proto,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +40,14 @@ class PrefillClients:
     """One channel per prefill worker address; turns a PrefillJob into a Prefill RPC. With `allowed`, only
     those prefill workers are ever dialled (names are resolved, so a DNS name covers its replicas)."""
 
-    def __init__(self, timeout: float, interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
-                 tls: TLSConfig | None = None, allowed: Sequence[str] = (), refresh: float = 10.0) -> None:
+    def __init__(
+        self,
+        timeout: float,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        tls: TLSConfig | None = None,
+        allowed: Sequence[str] = (),
+        refresh: float = 10.0,
+    ) -> None:
         self.timeout = timeout
         self.interceptors = list(interceptors)
         self.tls = tls
@@ -77,9 +90,11 @@ class PrefillClients:
 
 
 def _response(events: list[TokenEvent], with_logprobs: bool) -> worker_pb2.DecodeResponse:
-    msg = worker_pb2.DecodeResponse(token_ids=[e.sample.token_id for e in events],
-                                    finish_reason=FINISH_REASONS[events[-1].finish_reason],
-                                    cached_prompt_tokens=events[0].cached_prompt_tokens)
+    msg = worker_pb2.DecodeResponse(
+        token_ids=[e.sample.token_id for e in events],
+        finish_reason=FINISH_REASONS[events[-1].finish_reason],
+        cached_prompt_tokens=events[0].cached_prompt_tokens,
+    )
     if with_logprobs:
         msg.logprobs.extend(logprob_to_proto(e.sample) for e in events)
     return msg
@@ -102,21 +117,25 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         first = True
         try:
             if prefill and self.prefill is not None and not await self.prefill.allows(prefill):
-                raise PrefillNotAllowed(f"does not dial prefill worker {prefill}: not among those it was started "
-                                        "with")
-            async for events in self.worker.generate(rid, list(request.prompt_token_ids), params, prefill,
-                                                     stream_id, deadline):
+                raise PrefillNotAllowed(f"does not dial prefill worker {prefill}: not among those it was started with")
+            async for events in self.worker.generate(
+                rid, list(request.prompt_token_ids), params, prefill, stream_id, deadline
+            ):
                 msg = _response(events, params.logprobs is not None)
                 if first:
                     msg.stream_id, first = stream_id, False
                 yield msg
         except grpc.aio.AioRpcError as e:
             # the prefill worker's status, passed on (UNAVAILABLE lets the gateway retry elsewhere)
-            await context.abort(e.code(), f"prefill worker {prefill}: {e.details()}",
-                                failure_metadata("prefill", prefill))
+            await context.abort(
+                e.code(), f"prefill worker {prefill}: {e.details()}", failure_metadata("prefill", prefill)
+            )
         except TransferError as e:
-            await context.abort(status_of(e), f"KV transfer from prefill worker {prefill} failed: {e}",
-                                failure_metadata("prefill", prefill))
+            await context.abort(
+                status_of(e),
+                f"KV transfer from prefill worker {prefill} failed: {e}",
+                failure_metadata("prefill", prefill),
+            )
         except Exception as e:  # noqa: BLE001 - every failure is reported with its status (errors.STATUS)
             message = str(e) if isinstance(e, InvalidParameter) else f"decode worker {self.address}: {e}"
             await context.abort(status_of(e), message, failure_metadata("decode", self.address, e))
@@ -129,27 +148,54 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         return worker_pb2.WorkerStats(**self.worker.stats())
 
 
-async def serve(cfg: EngineConfig, host: str, port: int, transport: str, kv_host: str, max_queued: int = 256,
-                prefill_timeout: float = 600.0, tracing: Tracing | None = None, colocated: bool = False,
-                local_prefill_max_tokens: int = 0, reflection: bool = False, advertised: str = "",
-                tls: TLSConfig | None = None, allowed_prefill: Sequence[str] = (), kv_port: int = 0,
-                threads_while_prefilling: int | None = None
-                ) -> tuple[RunningServer, DecodeWorker, PrefillClients | None]:
+async def serve(
+    cfg: EngineConfig,
+    host: str,
+    port: int,
+    transport: str,
+    kv_host: str,
+    max_queued: int = 256,
+    prefill_timeout: float = 600.0,
+    tracing: Tracing | None = None,
+    colocated: bool = False,
+    local_prefill_max_tokens: int = 0,
+    reflection: bool = False,
+    advertised: str = "",
+    tls: TLSConfig | None = None,
+    allowed_prefill: Sequence[str] = (),
+    kv_port: int = 0,
+    threads_while_prefilling: int | None = None,
+) -> tuple[RunningServer, DecodeWorker, PrefillClients | None]:
     """A decode worker (or, `colocated`, one that prefills every prompt itself and runs no KV receiver)."""
     tracing = tracing or Tracing("pdserve-colocated" if colocated else "pdserve-decode")
-    clients = None if colocated else PrefillClients(prefill_timeout, tracing.client_interceptors(), tls,
-                                                    allowed_prefill)
-    worker = DecodeWorker(cfg, clients, transport=transport, kv_host=kv_host, kv_port=kv_port, max_queued=max_queued,
-                          local_prefill_max_tokens=local_prefill_max_tokens,
-                          observer=DecodeObserver(tracing.tracer), threads_while_prefilling=threads_while_prefilling)
+    clients = (
+        None if colocated else PrefillClients(prefill_timeout, tracing.client_interceptors(), tls, allowed_prefill)
+    )
+    worker = DecodeWorker(
+        cfg,
+        clients,
+        transport=transport,
+        kv_host=kv_host,
+        kv_port=kv_port,
+        max_queued=max_queued,
+        local_prefill_max_tokens=local_prefill_max_tokens,
+        observer=DecodeObserver(tracing.tracer),
+        threads_while_prefilling=threads_while_prefilling,
+    )
     try:
         await worker.start()
         running = await start_server(
-            host, port, lambda s: worker_pb2_grpc.add_DecodeServiceServicer_to_server(
-                DecodeServicer(worker, advertised or f"{host}:{port}", clients), s),
+            host,
+            port,
+            lambda s: worker_pb2_grpc.add_DecodeServiceServicer_to_server(
+                DecodeServicer(worker, advertised or f"{host}:{port}", clients), s
+            ),
             [worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name],
-            interceptors=tracing.server_interceptors(), enable_reflection=reflection, tls=tls,
-            require_client_cert=True)
+            interceptors=tracing.server_interceptors(),
+            enable_reflection=reflection,
+            tls=tls,
+            require_client_cert=True,
+        )
     except BaseException:
         await worker.stop()  # its model thread would keep the process alive
         raise

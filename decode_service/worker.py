@@ -17,8 +17,8 @@ import asyncio
 import logging
 import secrets
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
 
 import torch
 
@@ -66,18 +66,29 @@ class _Request:
 class DecodeWorker:
     """`call_prefill` None means colocated: every prompt is prefilled here and no KV receiver runs."""
 
-    def __init__(self, cfg: EngineConfig, call_prefill: PrefillCall | None = None, transport: str = "ucx",
-                 kv_host: str = "127.0.0.1", kv_port: int = 0, max_queued: int = 256, transfer_timeout: float = 60.0,
-                 local_prefill_max_tokens: int = 0, observer: DecodeObserver | None = None,
-                 threads_while_prefilling: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        call_prefill: PrefillCall | None = None,
+        transport: str = "ucx",
+        kv_host: str = "127.0.0.1",
+        kv_port: int = 0,
+        max_queued: int = 256,
+        transfer_timeout: float = 60.0,
+        local_prefill_max_tokens: int = 0,
+        observer: DecodeObserver | None = None,
+        threads_while_prefilling: int | None = None,
+    ) -> None:
         self.role = "decode" if call_prefill is not None else "colocated"
         self.threads_while_prefilling = threads_while_prefilling
         self._threads = cfg.num_threads or torch.get_num_threads()
         self.observer = observer or DecodeObserver()
-        self.loop = EngineLoop(lambda: EngineCore(cfg, receives_kv=call_prefill is not None,
-                                                  max_reserving=max_queued),
-                               self.role, on_step=self.observer.step,
-                               step_threads=self._step_threads if threads_while_prefilling else None)
+        self.loop = EngineLoop(
+            lambda: EngineCore(cfg, receives_kv=call_prefill is not None, max_reserving=max_queued),
+            self.role,
+            on_step=self.observer.step,
+            step_threads=self._step_threads if threads_while_prefilling else None,
+        )
         self.core = self.loop.core
         self.model_config = self.core.model_config
         self.model_name = self.model_config.name
@@ -85,8 +96,14 @@ class DecodeWorker:
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.receiver: KVReceiver | None = None
         if call_prefill is not None:
-            self.receiver = KVReceiver(self.core.kv_cache, self.core.layout, make_transport(transport),
-                                       kv_host, kv_port, timeout=transfer_timeout)
+            self.receiver = KVReceiver(
+                self.core.kv_cache,
+                self.core.layout,
+                make_transport(transport),
+                kv_host,
+                kv_port,
+                timeout=transfer_timeout,
+            )
         self.metrics.bind_state(self.core.stats)
         self.requests_total = 0
         self.local_prefills_total = 0
@@ -122,9 +139,15 @@ class DecodeWorker:
 
     # ---- one request -------------------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       prefill_address: str = "", stream_id: str = "", deadline: float | None = None
-                       ) -> AsyncIterator[list[TokenEvent]]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prefill_address: str = "",
+        stream_id: str = "",
+        deadline: float | None = None,
+    ) -> AsyncIterator[list[TokenEvent]]:
         """Stream a request's tokens, in lists of what is ready (more than one when the reader lags). Without a
         `prefill_address` (or colocated) the prompt is prefilled here. Leaving the iterator early (cancel, error)
         frees everything the request held; `finish(stream_id, reason)` ends it early as a normal finish.
@@ -207,8 +230,16 @@ class DecodeWorker:
         self.remote_prefills_total += 1
         transfer_id, secret = uuid.uuid4().hex, secrets.token_hex(16)
         arrived = self.receiver.expect(transfer_id, seq.block_ids, secret)
-        job = PrefillJob(seq.request_id, list(seq.token_ids), seq.num_prompt_tokens, seq.params,
-                         self.receiver.address, self.core.layout.fingerprint, transfer_id, secret)
+        job = PrefillJob(
+            seq.request_id,
+            list(seq.token_ids),
+            seq.num_prompt_tokens,
+            seq.params,
+            self.receiver.address,
+            self.core.layout.fingerprint,
+            transfer_id,
+            secret,
+        )
         try:
             result = await self.call_prefill(address, job)
             self.observer.transferred(await asyncio.wait_for(asyncio.shield(arrived), self.receiver.timeout))
@@ -224,14 +255,22 @@ class DecodeWorker:
     def stats(self) -> dict:
         core = self.core.stats()
         return {
-            "kv_blocks_total": core.kv_blocks_total, "kv_blocks_used": core.kv_blocks_used,
-            "kv_blocks_cached": core.kv_blocks_cached, "block_size": core.block_size, "running": core.running,
-            "waiting": core.waiting + core.reserving + core.awaiting_kv, "queued_tokens": core.queued_tokens,
-            "prefix_hit_tokens": core.prefix_hit_tokens, "max_model_len": core.max_model_len,
-            "preemptions_total": core.preemptions_total, "role": self.role, "model": self.model_name,
+            "kv_blocks_total": core.kv_blocks_total,
+            "kv_blocks_used": core.kv_blocks_used,
+            "kv_blocks_cached": core.kv_blocks_cached,
+            "block_size": core.block_size,
+            "running": core.running,
+            "waiting": core.waiting + core.reserving + core.awaiting_kv,
+            "queued_tokens": core.queued_tokens,
+            "prefix_hit_tokens": core.prefix_hit_tokens,
+            "max_model_len": core.max_model_len,
+            "preemptions_total": core.preemptions_total,
+            "role": self.role,
+            "model": self.model_name,
             "requests_total": self.requests_total,
             "kv_address": self.receiver.address if self.receiver is not None else "",
             "pending_transfers": self.receiver.num_pending if self.receiver is not None else 0,
-            "local_prefills_total": self.local_prefills_total, "remote_prefills_total": self.remote_prefills_total,
+            "local_prefills_total": self.local_prefills_total,
+            "remote_prefills_total": self.remote_prefills_total,
             "local_prefill_max_tokens": self.local_prefill_max_tokens if self.receiver else 0,
         }

@@ -48,8 +48,15 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         """Store this step's k/v into `kv_layer`, then attend q `[T, H, D]` over each sequence's context."""
         ...
 
@@ -70,7 +77,7 @@ class _StepTensors:
         self.cu_q: torch.Tensor | None = None
         self.cu_k: torch.Tensor | None = None
 
-    def update(self, meta: AttentionMetadata, device: torch.device, block_size: int) -> "_StepTensors":
+    def update(self, meta: AttentionMetadata, device: torch.device, block_size: int) -> _StepTensors:
         if meta is self._meta:
             return self
         self._meta = meta
@@ -108,13 +115,15 @@ class TorchAttention:
         if not step.prefill_rows:  # a pure decode step: every row is one token, in order
             return self._decode(q, kv_layer, step, scale)
         out = torch.empty_like(q)
-        prefill_attention(q, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, step.prefill_rows,
-                          scale, out)
+        prefill_attention(
+            q, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, step.prefill_rows, scale, out
+        )
         if step.decode_rows:
             out[step.decode_tokens] = self._decode(q[step.decode_tokens], kv_layer, step, scale)
         return out
 
     def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, step: _StepTensors, scale: float) -> torch.Tensor:
+        assert step.decode_tables is not None and step.decode_mask is not None
         return decode_attention(q, kv_layer[0], kv_layer[1], step.decode_tables, step.decode_mask, scale)
 
 
@@ -130,8 +139,9 @@ class CpuAttention(TorchAttention):
     def _decode(self, q, kv_layer, step, scale):
         if not self._kernel.supports(q, kv_layer[0]):  # e.g. float16: the torch path
             return super()._decode(q, kv_layer, step, scale)
-        return self._kernel.decode(q, kv_layer[0], kv_layer[1], step.decode_tables, step.decode_lens,
-                                   step.decode_max_len, scale)
+        return self._kernel.decode(
+            q, kv_layer[0], kv_layer[1], step.decode_tables, step.decode_lens, step.decode_max_len, scale
+        )
 
 
 class TritonAttention:
@@ -149,11 +159,19 @@ class TritonAttention:
         store_kv(k, v, kv_layer, meta.slot_mapping)
         step = self._step.update(meta, q.device, kv_layer.shape[2])
         out = torch.empty_like(q)
-        prefill_attention(q, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, step.prefill_rows,
-                          scale, out)
+        prefill_attention(
+            q, kv_layer, meta.query_start_loc, meta.seq_lens, meta.block_tables, step.prefill_rows, scale, out
+        )
         if step.decode_rows:
-            out[step.decode_tokens] = self._decode(q[step.decode_tokens], kv_layer[0], kv_layer[1],
-                                                   step.decode_tables.to(torch.int32), step.decode_lens, scale)
+            assert step.decode_tables is not None and step.decode_lens is not None
+            out[step.decode_tokens] = self._decode(
+                q[step.decode_tokens],
+                kv_layer[0],
+                kv_layer[1],
+                step.decode_tables.to(torch.int32),
+                step.decode_lens,
+                scale,
+            )
         return out
 
 
@@ -174,12 +192,28 @@ class FlashAttention:
         step = self._step.update(meta, q.device, kv_layer.shape[2])
         tables = meta.block_tables.to(torch.int32)
         if not step.prefill_rows:  # every row is one token: [B, 1, H, D] against the paged cache
-            out = self._with_kvcache(q[:, None], kv_layer[0], kv_layer[1], cache_seqlens=step.seq_lens,
-                                     block_table=tables, softmax_scale=scale, causal=True)
+            out = self._with_kvcache(
+                q[:, None],
+                kv_layer[0],
+                kv_layer[1],
+                cache_seqlens=step.seq_lens,
+                block_table=tables,
+                softmax_scale=scale,
+                causal=True,
+            )
             return out[:, 0]
-        return self._varlen(q, kv_layer[0], kv_layer[1], step.cu_q, step.cu_k, max(
-            b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:])), max(meta.seq_lens),
-            softmax_scale=scale, causal=True, block_table=tables)
+        return self._varlen(
+            q,
+            kv_layer[0],
+            kv_layer[1],
+            step.cu_q,
+            step.cu_k,
+            max(b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:])),
+            max(meta.seq_lens),
+            softmax_scale=scale,
+            causal=True,
+            block_table=tables,
+        )
 
 
 def _has(module: str) -> bool:
@@ -192,8 +226,12 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 def available_backends(device: torch.device, block_size: int, dtype: torch.dtype | None = None) -> list[str]:
     """Backends that can run here, best first (flash-attn needs CUDA, fp16/bf16 and paged blocks of 256n)."""
     have = []
-    if (device.type == "cuda" and _has("flash_attn") and block_size % FLASH_BLOCK_MULTIPLE == 0
-            and (dtype is None or dtype in FLASH_DTYPES)):
+    if (
+        device.type == "cuda"
+        and _has("flash_attn")
+        and block_size % FLASH_BLOCK_MULTIPLE == 0
+        and (dtype is None or dtype in FLASH_DTYPES)
+    ):
         have.append("flash-attn")
     if _has("triton") and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         have.append("triton")
@@ -203,8 +241,9 @@ def available_backends(device: torch.device, block_size: int, dtype: torch.dtype
     return have
 
 
-def select_backend(name: str = "auto", device: torch.device | None = None, block_size: int = 16,
-                   dtype: torch.dtype | None = None) -> AttentionBackend:
+def select_backend(
+    name: str = "auto", device: torch.device | None = None, block_size: int = 16, dtype: torch.dtype | None = None
+) -> AttentionBackend:
     """Pick the attention backend; 'auto' takes the best one this device supports. Logs the choice."""
     device = device or torch.device("cpu")
     if name not in BACKENDS:
@@ -215,20 +254,29 @@ def select_backend(name: str = "auto", device: torch.device | None = None, block
         # On CPU the Triton interpreter is a test vehicle, never a speed-up: auto takes the C kernel there.
         name = have[0] if device.type == "cuda" else "cpu"
     elif name not in have:
-        why = {"flash-attn": f"needs CUDA, the flash-attn package, float16 or bfloat16 and a block size that is a "
-                             f"multiple of {FLASH_BLOCK_MULTIPLE} (have {device.type}, {dtype}, block size "
-                             f"{block_size})",
-               "triton": "needs the triton package and CUDA (or TRITON_INTERPRET=1 on CPU)",
-               "cpu": f"runs on a CPU device (have {device.type})"}[name]
+        why = {
+            "flash-attn": f"needs CUDA, the flash-attn package, float16 or bfloat16 and a block size that is a "
+            f"multiple of {FLASH_BLOCK_MULTIPLE} (have {device.type}, {dtype}, block size "
+            f"{block_size})",
+            "triton": "needs the triton package and CUDA (or TRITON_INTERPRET=1 on CPU)",
+            "cpu": f"runs on a CPU device (have {device.type})",
+        }[name]
         raise ValueError(f"attention backend {name!r} is not available here: it {why}")
     backend: AttentionBackend
     if name == "cpu":
         kernel = cpu_paged_attention.load(cache_dir() / "kernels")
         if kernel is None and not auto:
-            raise ValueError("attention backend 'cpu' is not available here: it needs a C compiler (cc) that "
-                             "builds kernels/cpu_paged_attention.c (the log says why it did not)")
+            raise ValueError(
+                "attention backend 'cpu' is not available here: it needs a C compiler (cc) that "
+                "builds kernels/cpu_paged_attention.c (the log says why it did not)"
+            )
         backend = CpuAttention(kernel) if kernel is not None else TorchAttention()
     else:
-        backend = {"flash-attn": FlashAttention, "triton": TritonAttention, "torch": TorchAttention}[name]()
+        kinds: dict[str, type[AttentionBackend]] = {
+            "flash-attn": FlashAttention,
+            "triton": TritonAttention,
+            "torch": TorchAttention,
+        }
+        backend = kinds[name]()
     log.info("attention backend: %s (available here: %s)", backend.name, ", ".join(have))
     return backend

@@ -10,11 +10,10 @@ first when the plain ones run out.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 from pdserve.kernels.block_hash import hash_block, prefix_hashes
-
 
 CacheListener = Callable[[list[int], list[int]], None]
 
@@ -141,8 +140,9 @@ class BlockAllocator:
         self.prefix_hit_tokens += len(hits) * self.block_size
         return PrefixAllocation(hits + self.allocate(need), len(hits) * self.block_size, hashes)
 
-    def cache_blocks(self, block_ids: Sequence[int], block_hashes: list[int], tokens: Sequence[int],
-                     num_computed: int) -> None:
+    def cache_blocks(
+        self, block_ids: Sequence[int], block_hashes: list[int], tokens: Sequence[int], num_computed: int
+    ) -> None:
         """Register every full, computed block of a sequence not yet registered; extends `block_hashes` in place."""
         if not self.enable_prefix_caching:
             return
@@ -150,7 +150,7 @@ class BlockAllocator:
         stored = []
         for i in range(len(block_hashes), num_computed // bs):
             parent = block_hashes[-1] if block_hashes else None
-            h = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            h = hash_block(parent, tokens[i * bs : (i + 1) * bs])
             block_hashes.append(h)
             block = block_ids[i]
             if self.ref_counts[block] <= 0:

@@ -11,8 +11,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -47,7 +53,7 @@ class ModelConfig:
     name: str = "model"
 
     @classmethod
-    def from_hf(cls, config: dict, name: str = "model") -> "ModelConfig":
+    def from_hf(cls, config: dict, name: str = "model") -> ModelConfig:
         arch = (config.get("architectures") or ["LlamaForCausalLM"])[0]
         if config.get("model_type") not in {"llama", "mistral", "qwen2"}:
             raise ValueError(f"model_type {config.get('model_type')!r} ({arch}) is not a supported Llama-family model")
@@ -77,7 +83,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: Path) -> "ModelConfig":
+    def from_dir(cls, path: Path) -> ModelConfig:
         config = json.loads((path / "config.json").read_text())
         gen = path / "generation_config.json"
         if gen.is_file():

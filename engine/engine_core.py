@@ -14,9 +14,9 @@ it are this core's own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Callable
-from typing import Sequence as Seq
 
 import torch
 
@@ -84,16 +84,22 @@ class EngineCore:
     """`receives_kv`: other processes write KV into this engine's blocks (a decode worker), so reservations keep
     a watermark of blocks free and `max_reserving` of them may queue for blocks."""
 
-    def __init__(self, cfg: EngineConfig, model: LlamaForCausalLM | None = None, receives_kv: bool = False,
-                 max_reserving: int = 256) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model: LlamaForCausalLM | None = None,
+        receives_kv: bool = False,
+        max_reserving: int = 256,
+    ) -> None:
         self.runner = ModelRunner.from_config(cfg, model)
         self.model_config = self.runner.config
         self.max_model_len = min(cfg.max_model_len or 1 << 62, self.model_config.max_position_embeddings)
         layout = self.runner.layout
         self.allocator = BlockAllocator(layout.num_blocks, layout.block_size, cfg.enable_prefix_caching)
         self.watermark = max(1, layout.num_blocks // 100) if receives_kv else 0
-        self.scheduler = Scheduler(self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.watermark,
-                                   max_reserving)
+        self.scheduler = Scheduler(
+            self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.watermark, max_reserving
+        )
         self.in_step: set[Sequence] = set()  # sequences in the forward in flight: their blocks are in use
         self._abort_after_step: set[Sequence] = set()
         self.num_preemptions = 0
@@ -119,8 +125,14 @@ class EngineCore:
     def check(self, token_ids: Seq[int], params: SamplingParams, new_tokens: int | None = None) -> None:
         """InvalidParameter, naming what is wrong, for a request that could never run here. `new_tokens`: how
         many tokens this engine adds to it (a prefill worker: 1); default `max_tokens`."""
-        check_request(token_ids, params, self.model_config.vocab_size, self.max_model_len,
-                      (self.allocator.num_blocks - self.watermark) * self.allocator.block_size, new_tokens)
+        check_request(
+            token_ids,
+            params,
+            self.model_config.vocab_size,
+            self.max_model_len,
+            (self.allocator.num_blocks - self.watermark) * self.allocator.block_size,
+            new_tokens,
+        )
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence whose KV is still to be computed (a prompt, or a sequence to recompute)."""
@@ -170,13 +182,13 @@ class EngineCore:
         self.in_step = set(batch.seqs)
         return batch
 
-    def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None
-                ) -> list[SampleOutput | SamplingError | None]:
+    def execute(
+        self, batch: ScheduledBatch, layer_hook: LayerHook | None = None
+    ) -> list[SampleOutput | SamplingError | None]:
         """The forward and the sampling (the part that may run on another thread)."""
         return self.runner.execute(batch, layer_hook)
 
-    def update(self, batch: ScheduledBatch, samples: list[SampleOutput | SamplingError | None]
-               ) -> list[StepOutput]:
+    def update(self, batch: ScheduledBatch, samples: list[SampleOutput | SamplingError | None]) -> list[StepOutput]:
         """Account for a finished forward: computed tokens, new tokens, finished sequences."""
         self.in_step = set()
         self.scheduler.commit(batch)
@@ -228,7 +240,7 @@ class EngineCore:
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[list[int]]:
         """Generate for every prompt (continuously batched); returns output token ids in prompt order."""
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        plist = list(params) if not isinstance(params, SamplingParams) else [params] * len(prompts)
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
         while self.has_work:
             for out in self.step():
@@ -242,14 +254,21 @@ class EngineCore:
         """Safe to call from another thread (a metrics scrape): it copies the queues before reading them."""
         sched, alloc = self.scheduler, self.allocator
         return EngineStats(
-            kv_blocks_total=alloc.num_blocks, kv_blocks_used=alloc.num_used_blocks,
-            kv_blocks_cached=alloc.num_cached_blocks, kv_blocks_evictable=alloc.num_evictable_blocks,
-            block_size=alloc.block_size, running=len(sched.running),
-            waiting=len(sched.waiting), reserving=len(sched.reserving), awaiting_kv=len(sched.awaiting_kv),
+            kv_blocks_total=alloc.num_blocks,
+            kv_blocks_used=alloc.num_used_blocks,
+            kv_blocks_cached=alloc.num_cached_blocks,
+            kv_blocks_evictable=alloc.num_evictable_blocks,
+            block_size=alloc.block_size,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            reserving=len(sched.reserving),
+            awaiting_kv=len(sched.awaiting_kv),
             queued_tokens=sum(len(s.token_ids) - s.num_computed_tokens for s in list(sched.waiting)),
             prefilling_tokens=sum(len(s.token_ids) - s.num_computed_tokens for s in list(sched.running)),
-            prefix_hit_tokens=alloc.prefix_hit_tokens, max_model_len=self.max_model_len,
-            preemptions_total=self.num_preemptions)
+            prefix_hit_tokens=alloc.prefix_hit_tokens,
+            max_model_len=self.max_model_len,
+            preemptions_total=self.num_preemptions,
+        )
 
     @property
     def num_awaiting_kv(self) -> int:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import torch
 
@@ -32,6 +32,8 @@ Sink = Callable[[StepOutput | BaseException], None]
 
 class EngineStopped(RuntimeError):
     """The engine loop is not running (it died, or the worker is stopping)."""
+
+
 LayerHooks = Callable[[ScheduledBatch], LayerHook | None]
 StepObserver = Callable[[ScheduledBatch, float], None]
 StepThreads = Callable[[], int | None]
@@ -40,9 +42,15 @@ StepThreads = Callable[[], int | None]
 class EngineLoop:
     """`build_core` runs on the model thread (it loads the weights and allocates the KV cache)."""
 
-    def __init__(self, build_core: Callable[[], EngineCore], name: str, layer_hooks: LayerHooks | None = None,
-                 on_step: StepObserver | None = None, on_fatal: Callable[[BaseException], None] | None = None,
-                 step_threads: StepThreads | None = None) -> None:
+    def __init__(
+        self,
+        build_core: Callable[[], EngineCore],
+        name: str,
+        layer_hooks: LayerHooks | None = None,
+        on_step: StepObserver | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        step_threads: StepThreads | None = None,
+    ) -> None:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-model")
         try:
             self.core = self._executor.submit(build_core).result()
@@ -141,7 +149,7 @@ class EngineLoop:
             await self._serve()
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # noqa: BLE001 - the loop is dead: say so loudly, fail everyone, stop serving
+        except BaseException as e:
             self.error = e
             log.critical("%s engine loop died: %r", self.name, e, exc_info=True)
             sinks, self._sinks = self._sinks, {}
@@ -167,7 +175,7 @@ class EngineLoop:
             batch, start, future = step
             try:
                 samples = await future
-            except Exception as e:  # noqa: BLE001 - a failed forward fails the requests in it, not the worker
+            except Exception as e:
                 log.exception("%s step failed; failing its %d requests", self.name, len(batch.seqs))
                 for seq in core.fail(batch):
                     self._deliver(seq, e)
@@ -198,8 +206,9 @@ class EngineLoop:
         future = asyncio.get_running_loop().run_in_executor(self._executor, self._execute, batch, hook, threads)
         return batch, time.perf_counter(), future
 
-    def _execute(self, batch: ScheduledBatch, hook: LayerHook | None, threads: int | None
-                 ) -> list[SampleOutput | SamplingError | None]:
+    def _execute(
+        self, batch: ScheduledBatch, hook: LayerHook | None, threads: int | None
+    ) -> list[SampleOutput | SamplingError | None]:
         """On the model thread: the forward and sampling, with `threads` torch threads if given."""
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)

@@ -6,8 +6,8 @@ fused into one matmul each at load time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -41,16 +41,23 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
         self.rope_op: Op = apply_rope
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_layer: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        qk = self.rope_op(qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
-                                                                  self.head_dim), *rope)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        qk = self.rope_op(
+            qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope
+        )
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = backend(q, k, v, kv_layer, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -90,18 +97,28 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Forward over a flat batch of tokens; `layer_hook(l)` runs after layer l has written its KV."""
 
+    rope: torch.Tensor  # a buffer: the rotary cos/sin table for every position
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer(
-            "rope", rope_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling),
+            "rope",
+            rope_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling),
             persistent=False,
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: torch.Tensor,
-                meta: AttentionMetadata, backend: AttentionBackend, layer_hook=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        layer_hook=None,
+    ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         rope = rope_for_positions(self.rope, positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
@@ -165,4 +182,3 @@ def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | tor
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-

@@ -6,8 +6,8 @@ Owns the model weights, the paged KV cache tensor and the attention backend of o
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -38,8 +38,13 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, layout: KVLayout, attention_backend: str = "auto",
-                 device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        layout: KVLayout,
+        attention_backend: str = "auto",
+        device: str | torch.device = "cpu",
+    ) -> None:
         self.model = model
         self.config: ModelConfig = model.config
         self.layout = layout
@@ -49,14 +54,19 @@ class ModelRunner:
         self.sampler = Sampler(self.config.vocab_size, self.config.eos_token_ids)
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig, model: LlamaForCausalLM | None = None) -> "ModelRunner":
+    def from_config(cls, cfg: EngineConfig, model: LlamaForCausalLM | None = None) -> ModelRunner:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         dtype = parse_dtype(cfg.dtype)
         if model is None:
             model = load_model(resolve_model(cfg.model), dtype)
-        device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                              "cpu" if cfg.device == "auto" else cfg.device)
+        device = torch.device(
+            "cuda"
+            if cfg.device == "auto" and torch.cuda.is_available()
+            else "cpu"
+            if cfg.device == "auto"
+            else cfg.device
+        )
         if device.type == "cpu":
             keep_freed_memory()
         model = model.to(device)
@@ -69,8 +79,12 @@ class ModelRunner:
                 model.use_ops(ops.rms_norm, ops.apply_rope, ops.silu_and_mul)
                 log.info("element-wise steps: one-pass C kernels (%s)", cpu_elementwise.SOURCE.name)
         layout = plan_kv_cache(model.config, dtype, cfg.block_size, cfg.kv_cache_memory, cfg.num_blocks, device.type)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", layout.num_blocks, layout.block_size,
-                 layout.num_blocks * layout.block_nbytes / 2**20)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            layout.num_blocks,
+            layout.block_size,
+            layout.num_blocks * layout.block_nbytes / 2**20,
+        )
         return cls(model, layout, cfg.attention_backend, device)
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
@@ -85,7 +99,7 @@ class ModelRunner:
         max_blocks = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             begin = seq.num_computed_tokens
-            ids.extend(seq.token_ids[begin:begin + n])
+            ids.extend(seq.token_ids[begin : begin + n])
             pos = range(begin, begin + n)
             positions.extend(pos)
             table = seq.block_ids
@@ -106,9 +120,13 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=tables.to(dev),
         )
-        return BatchInputs(torch.tensor(ids, dtype=torch.long, device=dev),
-                           torch.tensor(positions, dtype=torch.long, device=dev), meta,
-                           torch.tensor(logits_indices, dtype=torch.long, device=dev), sample_rows)
+        return BatchInputs(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            sample_rows,
+        )
 
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs, layer_hook: LayerHook | None = None) -> torch.Tensor:
@@ -116,8 +134,9 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.backend, layer_hook)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
-    def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None
-                ) -> list[SampleOutput | SamplingError | None]:
+    def execute(
+        self, batch: ScheduledBatch, layer_hook: LayerHook | None = None
+    ) -> list[SampleOutput | SamplingError | None]:
         """Run the batch; per sequence, its SampleOutput if it samples this step (or the SamplingError that
         fails it alone), None for the others."""
         inputs = self.prepare(batch)
@@ -125,8 +144,9 @@ class ModelRunner:
         out: list[SampleOutput | SamplingError | None] = [None] * len(batch.seqs)
         if inputs.sample_rows:
             seqs = [batch.seqs[i] for i in inputs.sample_rows]
-            samples = self.sampler.sample(logits, [s.params for s in seqs], [s.token_ids for s in seqs],
-                                          [s.num_prompt_tokens for s in seqs])
+            samples = self.sampler.sample(
+                logits, [s.params for s in seqs], [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs]
+            )
             for row, sample in zip(inputs.sample_rows, samples):
                 out[row] = sample
         return out

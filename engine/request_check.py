@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
 
 
-def check_request(token_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                  pool_tokens: int, new_tokens: int | None = None) -> None:
+def check_request(
+    token_ids: Sequence[int],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    pool_tokens: int,
+    new_tokens: int | None = None,
+) -> None:
     """ValueError, naming what is wrong, for a request that no amount of waiting would let run: its prompt
     plus `max_tokens` must fit the model's context and, since one sequence may hold the whole pool, the pool.
     `new_tokens` is how many tokens this engine will add (a prefill worker: 1); default `max_tokens`."""
@@ -21,9 +27,14 @@ def check_request(token_ids: Sequence[int], params: SamplingParams, vocab_size: 
     if n >= max_model_len:
         raise InvalidParameter("prompt", f"prompt has {n} tokens; the model context is {max_model_len}")
     if n + params.max_tokens > max_model_len:
-        raise InvalidParameter("max_tokens", f"max_tokens {params.max_tokens} + prompt {n} tokens exceeds the model "
-                                             f"context ({max_model_len} tokens)")
+        raise InvalidParameter(
+            "max_tokens",
+            f"max_tokens {params.max_tokens} + prompt {n} tokens exceeds the model context ({max_model_len} tokens)",
+        )
     grow = params.max_tokens if new_tokens is None else new_tokens
     if n + grow > pool_tokens:
-        raise InvalidParameter("max_tokens", f"{'max_tokens' if new_tokens is None else 'new tokens'} {grow} + "
-                                             f"prompt {n} tokens exceeds this worker's KV pool ({pool_tokens} tokens)")
+        raise InvalidParameter(
+            "max_tokens",
+            f"{'max_tokens' if new_tokens is None else 'new tokens'} {grow} + "
+            f"prompt {n} tokens exceeds this worker's KV pool ({pool_tokens} tokens)",
+        )

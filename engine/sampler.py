@@ -4,19 +4,18 @@ The whole batch is sampled with batched tensor ops. Greedy rows take an argmax; 
 CDF with one uniform number per row: a seeded request draws it from a generator seeded by (seed, output
 position), so its tokens depend only on the logits it sees, never on which other requests share the batch or
 which worker (prefill or decode) samples. Rows with top-k work on their top k candidates; top-p without top-k is
-drawn by rejection over the whole vocabulary (no sort: see `_draw_nucleus`). A temperature below 1e-5 is greedy, as in vLLM. A row whose logits are not finite
-fails alone (`SamplingError` in its place), never the batch.
+drawn by rejection over the whole vocabulary (no sort: see `_draw_nucleus`). A temperature below 1e-5 is greedy,
+as in vLLM. A row whose logits are not finite fails alone (`SamplingError` in its place), never the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams
-
 
 
 class SamplingError(ValueError):
@@ -30,8 +29,9 @@ class SampleOutput:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
-                    output_ids: Sequence[int]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]
+) -> torch.Tensor:
     """One row, OpenAI/vLLM semantics: repetition over prompt+output, presence/frequency over output only."""
     vocab = logits.shape[-1]
     if params.repetition_penalty != 1.0:
@@ -41,8 +41,8 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
         p = params.repetition_penalty
         logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
     if output_ids and (params.presence_penalty or params.frequency_penalty):
-        ids = torch.as_tensor([t for t in output_ids if t < vocab], dtype=torch.long, device=logits.device)
-        counts = torch.bincount(ids, minlength=vocab).to(logits.dtype)
+        out_ids = torch.as_tensor([t for t in output_ids if t < vocab], dtype=torch.long, device=logits.device)
+        counts = torch.bincount(out_ids, minlength=vocab).to(logits.dtype)
         logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
 
@@ -81,8 +81,13 @@ class Sampler:
         self._rng = torch.Generator()
         self._rng.seed()
 
-    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], token_ids: Sequence[Sequence[int]],
-               num_prompt_tokens: Sequence[int]) -> list[SampleOutput | SamplingError]:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        token_ids: Sequence[Sequence[int]],
+        num_prompt_tokens: Sequence[int],
+    ) -> list[SampleOutput | SamplingError]:
         """logits `[N, V]`, one row per sequence that samples this step; `token_ids[i]` is row i's sequence so
         far (prompt then output; read, never copied, unless a penalty needs it)."""
         logits = logits[:, : self.vocab_size]
@@ -91,12 +96,14 @@ class Sampler:
             exact = logits.float()  # bf16 -> fp32 is exact; argmax over bf16 on CPU measured 5x slower than both
             tokens = exact.argmax(-1).tolist()
             bad = self._nonfinite_rows(exact)
-            return [SamplingError("the model's logits are not finite") if i in bad else SampleOutput(t)
-                    for i, t in enumerate(tokens)]
+            return [
+                SamplingError("the model's logits are not finite") if i in bad else SampleOutput(t)
+                for i, t in enumerate(tokens)
+            ]
         raw = logits.float()
         x = raw
         for i, p in enumerate(params):
-            outputs = token_ids[i][num_prompt_tokens[i]:]
+            outputs = token_ids[i][num_prompt_tokens[i] :]
             if p.has_penalties:
                 x = x.clone() if x is raw else x
                 x[i] = apply_penalties(x[i], p, token_ids[i][: num_prompt_tokens[i]], outputs)
@@ -113,8 +120,9 @@ class Sampler:
             chosen[greedy] = x[greedy].argmax(-1)
         if drawn:
             rows = x if len(drawn) == n else x[drawn]
-            chosen[drawn] = self._draw(rows, [params[i] for i in drawn],
-                                       [len(token_ids[i]) - num_prompt_tokens[i] for i in drawn])
+            chosen[drawn] = self._draw(
+                rows, [params[i] for i in drawn], [len(token_ids[i]) - num_prompt_tokens[i] for i in drawn]
+            )
         tokens = chosen.tolist()
         out: list[SampleOutput | SamplingError] = []
         wants = [i for i, p in enumerate(params) if p.logprobs is not None and i not in bad]
@@ -127,8 +135,9 @@ class Sampler:
             if logprobs is not None and i in wants:
                 row = logprobs[wants.index(i)]
                 sample.logprob = float(row[tokens[i]])
-                if params[i].logprobs:
-                    top = row.topk(params[i].logprobs)
+                n_top = params[i].logprobs
+                if n_top:
+                    top = row.topk(n_top)
                     sample.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist()))
             out.append(sample)
         return out
@@ -161,17 +170,25 @@ class _Uniforms:
     """Uniform numbers for a step's drawn rows: a seeded row's come from a generator seeded by (seed, output
     position), so they do not depend on the batch; the others' from the sampler's own generator."""
 
-    def __init__(self, params: list[SamplingParams], steps: list[int], rng: torch.Generator,
-                 device: torch.device, dtype: torch.dtype, index: list[int] | None = None,
-                 gens: dict[int, torch.Generator] | None = None) -> None:
+    def __init__(
+        self,
+        params: list[SamplingParams],
+        steps: list[int],
+        rng: torch.Generator,
+        device: torch.device,
+        dtype: torch.dtype,
+        index: list[int] | None = None,
+        gens: dict[int, torch.Generator] | None = None,
+    ) -> None:
         self.params, self.steps, self.rng, self.device, self.dtype = params, steps, rng, device, dtype
         self.index = index if index is not None else list(range(len(params)))
         self.gens = gens if gens is not None else {}
 
-    def view(self, rows: list[int]) -> "_Uniforms":
+    def view(self, rows: list[int]) -> _Uniforms:
         """The same streams, for a subset of rows (positions into this view)."""
-        return _Uniforms(self.params, self.steps, self.rng, self.device, self.dtype, [self.index[r] for r in rows],
-                         self.gens)
+        return _Uniforms(
+            self.params, self.steps, self.rng, self.device, self.dtype, [self.index[r] for r in rows], self.gens
+        )
 
     def next(self, rows: list[int] | None = None) -> torch.Tensor:
         """The next uniform of each row (of `rows`, positions into this view; default all)."""
@@ -229,7 +246,7 @@ def _draw_nucleus(z: torch.Tensor, params: list[SamplingParams], uniforms: _Unif
         if not active:
             return chosen
     for row in active:  # exceedingly rare: the exact definition, by sorting
-        chosen[row] = _draw_ranked(z[row:row + 1], [params[row]], uniforms.next([row]), z.shape[-1])[0]
+        chosen[row] = _draw_ranked(z[row : row + 1], [params[row]], uniforms.next([row]), z.shape[-1])[0]
     return chosen
 
 
@@ -249,7 +266,7 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return _nonzero_pick(weights, pick.clamp_(max=vocab - 1)).squeeze(1)
     sums = weights[:, : n_full * CDF_CHUNK].reshape(rows, n_full, CDF_CHUNK).sum(-1)
     if n_full * CDF_CHUNK < vocab:
-        sums = torch.cat([sums, weights[:, n_full * CDF_CHUNK:].sum(-1, keepdim=True)], 1)
+        sums = torch.cat([sums, weights[:, n_full * CDF_CHUNK :].sum(-1, keepdim=True)], 1)
     coarse = sums.cumsum(-1)
     target = (u[:, None] * coarse[:, -1:]).contiguous()
     chunk = torch.searchsorted(coarse, target, right=True).clamp_(max=coarse.shape[1] - 1)

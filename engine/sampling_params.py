@@ -40,8 +40,9 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise ValueError naming the first bad parameter; returns self so calls chain."""
+
         def bad(name: str, rule: str) -> None:
             raise InvalidParameter(name, f"{name} {rule}, got {getattr(self, name)!r}")
 

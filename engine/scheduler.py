@@ -52,8 +52,14 @@ class PoolExhausted(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 watermark: int = 0, max_reserving: int = 256) -> None:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        watermark: int = 0,
+        max_reserving: int = 256,
+    ) -> None:
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -86,8 +92,10 @@ class Scheduler:
             self._take_reservation(seq)
             return True
         if len(self.reserving) >= self.max_reserving:
-            raise PoolExhausted(f"KV pool full ({self.allocator.num_free_blocks} blocks free) and "
-                                f"{len(self.reserving)} requests already waiting")
+            raise PoolExhausted(
+                f"KV pool full ({self.allocator.num_free_blocks} blocks free) and "
+                f"{len(self.reserving)} requests already waiting"
+            )
         seq.status = SequenceStatus.RESERVING
         self.reserving.append(seq)
         return False
@@ -131,8 +139,7 @@ class Scheduler:
             batch.add(seq, n)
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs \
-                and not batch.preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
             try:
                 alloc = self.allocator.allocate_prefix(seq.token_ids, len(seq.token_ids))

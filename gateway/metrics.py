@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -14,41 +14,70 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pdserve_gateway_requests", "Finished Generate requests by final gRPC status "
-                                "and finish reason.", ["status", "finish_reason"], registry=r)
+        self.requests = Counter(
+            "pdserve_gateway_requests",
+            "Finished Generate requests by final gRPC status and finish reason.",
+            ["status", "finish_reason"],
+            registry=r,
+        )
         for reason in ("stop", "length"):  # present from the start, so rates and dashboards begin at zero
             self.requests.labels("OK", reason)
         self.in_flight = Gauge("pdserve_gateway_requests_in_flight", "Generate requests being served.", registry=r)
-        self.ttft = Histogram("pdserve_gateway_time_to_first_token_seconds", "Request arrival to first token sent.",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("pdserve_gateway_inter_token_latency_seconds", "Gap between consecutive tokens sent.",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_gateway_e2e_request_latency_seconds", "Request arrival to last token sent.",
-                             buckets=E2E_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("pdserve_gateway_prompt_tokens", "Prompt tokens of finished requests.",
-                                     registry=r)
-        self.cached_prompt_tokens = Counter("pdserve_gateway_cached_prompt_tokens",
-                                            "Prompt tokens served from a prefill worker's prefix cache.", registry=r)
+        self.ttft = Histogram(
+            "pdserve_gateway_time_to_first_token_seconds",
+            "Request arrival to first token sent.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_gateway_inter_token_latency_seconds",
+            "Gap between consecutive tokens sent.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_gateway_e2e_request_latency_seconds",
+            "Request arrival to last token sent.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("pdserve_gateway_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "pdserve_gateway_cached_prompt_tokens",
+            "Prompt tokens served from a prefill worker's prefix cache.",
+            registry=r,
+        )
         self.generation_tokens = Counter("pdserve_gateway_generation_tokens", "Tokens generated.", registry=r)
-        self.prompt_len = Histogram("pdserve_gateway_request_prompt_tokens", "Prompt length per request.",
-                                    buckets=TOKEN_BUCKETS, registry=r)
-        self.retries = Counter("pdserve_gateway_retries", "Requests re-routed after a worker refused or failed.",
-                               registry=r)
-        self.workers = Gauge("pdserve_gateway_workers", "Workers the router knows, by role and health.",
-                             ["role", "state"], registry=r)
-        self.prefill_routes = Counter("pdserve_gateway_prefill_routes", "Requests by where their prompt was "
-                                      "prefilled: a prefill worker (remote) or the decode worker (local).",
-                                      ["mode"], registry=r)
+        self.prompt_len = Histogram(
+            "pdserve_gateway_request_prompt_tokens", "Prompt length per request.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.retries = Counter(
+            "pdserve_gateway_retries", "Requests re-routed after a worker refused or failed.", registry=r
+        )
+        self.workers = Gauge(
+            "pdserve_gateway_workers", "Workers the router knows, by role and health.", ["role", "state"], registry=r
+        )
+        self.prefill_routes = Counter(
+            "pdserve_gateway_prefill_routes",
+            "Requests by where their prompt was prefilled: a prefill worker (remote) or the decode worker (local).",
+            ["mode"],
+            registry=r,
+        )
         for mode in ("local", "remote"):
             self.prefill_routes.labels(mode)
 
-    def bind_router(self, counts: Callable[[], dict[tuple[str, str], int]],
-                    indexed: Callable[[], dict[str, int]]) -> None:
+    def bind_router(
+        self, counts: Callable[[], dict[tuple[str, str], int]], indexed: Callable[[], dict[str, int]]
+    ) -> None:
         """Read the router's view of its workers at scrape time: how many of each role are up, and how many
         prefix-cache blocks it believes each prefill worker holds."""
+
+        def reader(key: tuple[str, str]) -> Callable[[], int]:
+            return lambda: counts()[key]
+
         for role in ("prefill", "decode"):
             for state in ("healthy", "down"):
-                self.workers.labels(role, state).set_function(lambda k=(role, state): counts()[k])
+                self.workers.labels(role, state).set_function(reader((role, state)))
         self.registry.register(_IndexCollector(indexed))
 
 
@@ -59,9 +88,11 @@ class _IndexCollector:
         self.indexed = indexed
 
     def collect(self):
-        family = GaugeMetricFamily("pdserve_gateway_prefix_index_blocks",
-                                   "Prefix-cache blocks the KV-aware router believes each prefill worker holds.",
-                                   labels=["worker"])
+        family = GaugeMetricFamily(
+            "pdserve_gateway_prefix_index_blocks",
+            "Prefix-cache blocks the KV-aware router believes each prefill worker holds.",
+            labels=["worker"],
+        )
         for worker, blocks in sorted(self.indexed().items()):
             family.add_metric([worker], blocks)
         yield family

@@ -79,13 +79,28 @@ class RequestWatch:
             m.cached_prompt_tokens.inc(self.cached_tokens)
             m.prompt_len.observe(self.prompt_tokens)
         m.generation_tokens.inc(self.completion_tokens)
-        self.span.set_attributes({"pdserve.prompt_tokens": self.prompt_tokens,
-                                  "pdserve.completion_tokens": self.completion_tokens,
-                                  "pdserve.cached_prompt_tokens": self.cached_tokens,
-                                  "pdserve.finish_reason": self.finish_reason, "pdserve.status": self.status})
-        log_request(request_log, request_id=self.request_id, trace_id=trace_id(self.span), model=self.model,
-                    front=self.front, status=self.status, finish_reason=self.finish_reason,
-                    prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
-                    completion_tokens=self.completion_tokens,
-                    ttft_s=round(self.ttft, 4) if self.ttft is not None else None, e2e_s=round(e2e, 4),
-                    decode=self.decode, prefill=self.prefill)
+        self.span.set_attributes(
+            {
+                "pdserve.prompt_tokens": self.prompt_tokens,
+                "pdserve.completion_tokens": self.completion_tokens,
+                "pdserve.cached_prompt_tokens": self.cached_tokens,
+                "pdserve.finish_reason": self.finish_reason,
+                "pdserve.status": self.status,
+            }
+        )
+        log_request(
+            request_log,
+            request_id=self.request_id,
+            trace_id=trace_id(self.span),
+            model=self.model,
+            front=self.front,
+            status=self.status,
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            completion_tokens=self.completion_tokens,
+            ttft_s=round(self.ttft, 4) if self.ttft is not None else None,
+            e2e_s=round(e2e, 4),
+            decode=self.decode,
+            prefill=self.prefill,
+        )

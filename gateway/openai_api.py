@@ -14,7 +14,8 @@ import contextlib
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import uvicorn
@@ -24,9 +25,9 @@ from opentelemetry import trace
 
 from pdserve.gateway.request_path import Delta, GenerationRequest, RequestError, RequestPath, invalid
 from pdserve.grpc_server import PortInUse, check_free
+from pdserve.protos import common_pb2
 from pdserve.security import TLSConfig, key_matches
 from pdserve.tracing import Tracing, extract
-from pdserve.protos import common_pb2
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -44,8 +45,14 @@ MAX_TOP_LOGPROBS = 20
 
 def error_body(e: RequestError) -> tuple[int, dict]:
     status, kind = HTTP_STATUS.get(e.code, (500, "server_error"))
-    return status, {"error": {"message": e.message, "type": kind, "param": e.param,
-                              "code": ERROR_CODES.get(status, e.code.name.lower())}}
+    return status, {
+        "error": {
+            "message": e.message,
+            "type": kind,
+            "param": e.param,
+            "code": ERROR_CODES.get(status, e.code.name.lower()),
+        }
+    }
 
 
 def _error_response(e: RequestError) -> JSONResponse:
@@ -178,28 +185,47 @@ class _Renderer:
             content = []
             for lp in delta.logprobs:
                 token = self._token(lp.token_id)
-                content.append({"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
-                                "top_logprobs": [{"token": (t := self._token(x.token_id)), "logprob": x.logprob,
-                                                  "bytes": list(t.encode())} for x in lp.top]})
+                content.append(
+                    {
+                        "token": token,
+                        "logprob": lp.logprob,
+                        "bytes": list(token.encode()),
+                        "top_logprobs": [
+                            {"token": (t := self._token(x.token_id)), "logprob": x.logprob, "bytes": list(t.encode())}
+                            for x in lp.top
+                        ],
+                    }
+                )
             return {"content": content}
         tokens, offsets = [], []
         for lp in delta.logprobs:
             tokens.append(self._token(lp.token_id))
             offsets.append(self._offset)
             self._offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in delta.logprobs],
-                "top_logprobs": [{self._token(x.token_id): x.logprob for x in lp.top} for lp in delta.logprobs],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in delta.logprobs],
+            "top_logprobs": [{self._token(x.token_id): x.logprob for x in lp.top} for lp in delta.logprobs],
+            "text_offset": offsets,
+        }
 
     @staticmethod
     def usage(u: common_pb2.Usage) -> dict:
-        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                "total_tokens": u.prompt_tokens + u.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+        return {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+        }
 
     def chunk(self, choices: list, usage: dict | None = None) -> str:
-        body = {"id": self.id, "object": self.object + ".chunk" if self.chat else self.object,
-                "created": self.created, "model": self.model, "choices": choices}
+        body = {
+            "id": self.id,
+            "object": self.object + ".chunk" if self.chat else self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if usage is not None:
             body["usage"] = usage
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
@@ -214,12 +240,22 @@ class _Renderer:
 
     def whole(self, text: str, logprobs: dict | None, finish: str, usage: common_pb2.Usage) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage(usage)}
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(usage),
+        }
 
 
 # ---- the app -------------------------------------------------------------------------------------------------
@@ -231,8 +267,9 @@ def create_app(path: RequestPath, api_key: str | None = None, tracing: Tracing |
 
     def authorize(request: Request) -> None:
         if api_key and not key_matches(request.headers.get("authorization"), api_key):
-            raise RequestError(grpc.StatusCode.UNAUTHENTICATED,
-                               "missing or wrong API key: send 'Authorization: Bearer <key>'")
+            raise RequestError(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send 'Authorization: Bearer <key>'"
+            )
 
     async def body_of(request: Request) -> dict:
         try:
@@ -254,9 +291,20 @@ def create_app(path: RequestPath, api_key: str | None = None, tracing: Tracing |
             authorize(request)
         except RequestError as e:
             return _error_response(e)
-        return JSONResponse({"object": "list", "data": [
-            {"id": path.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
-             "max_model_len": path.router.max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": path.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "pdserve",
+                        "max_model_len": path.router.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def generate(request: Request, chat: bool):
         name = "/v1/chat/completions" if chat else "/v1/completions"
@@ -284,9 +332,11 @@ def create_app(path: RequestPath, api_key: str | None = None, tracing: Tracing |
                 renderer = _Renderer(path, chat, model or path.model_name, top)
                 if stream:
                     streaming = True  # the span ends with the stream
-                    return StreamingResponse(_sse(path, req, renderer, include_usage, span),
-                                             media_type="text/event-stream",
-                                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                    return StreamingResponse(
+                        _sse(path, req, renderer, include_usage, span),
+                        media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                    )
                 return await _complete(path, req, renderer, request)
         finally:
             if not streaming:
@@ -309,8 +359,12 @@ async def _complete(path: RequestPath, req: GenerationRequest, renderer: _Render
     async def run() -> JSONResponse:
         deltas = [delta async for delta in path.run(req, "http")]
         last = deltas[-1]
-        merged = Delta("".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids],
-                       [lp for d in deltas for lp in d.logprobs])
+        merged = Delta(
+            "".join(d.text for d in deltas),
+            [t for d in deltas for t in d.token_ids],
+            [lp for d in deltas for lp in d.logprobs],
+        )
+        assert last.finish_reason is not None and last.usage is not None, "the last delta ends the request"
         return JSONResponse(renderer.whole(merged.text, renderer.logprobs(merged), last.finish_reason, last.usage))
 
     async def disconnected() -> None:
@@ -335,8 +389,9 @@ async def _complete(path: RequestPath, req: GenerationRequest, renderer: _Render
         return _error_response(e)
 
 
-async def _sse(path: RequestPath, req: GenerationRequest, renderer: _Renderer, include_usage: bool,
-               span: trace.Span) -> AsyncIterator[str]:
+async def _sse(
+    path: RequestPath, req: GenerationRequest, renderer: _Renderer, include_usage: bool, span: trace.Span
+) -> AsyncIterator[str]:
     first = True
     try:
         with trace.use_span(span, end_on_exit=False):
@@ -344,7 +399,7 @@ async def _sse(path: RequestPath, req: GenerationRequest, renderer: _Renderer, i
                 async for delta in path.run(req, "http"):
                     yield renderer.chunk([renderer.stream_choice(delta, first)], None)
                     first = False
-                    if delta.finish_reason and include_usage:
+                    if delta.finish_reason and include_usage and delta.usage is not None:
                         yield renderer.chunk([], renderer.usage(delta.usage))
             except RequestError as e:  # the status line is sent: the error travels as an event, as vLLM does
                 span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
@@ -359,14 +414,22 @@ class HTTPServer:
     """uvicorn serving the app inside the gateway's own event loop (its signals stay the gateway's)."""
 
     def __init__(self, app: FastAPI, host: str, port: int, tls: TLSConfig | None = None) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                                ssl_certfile=tls.cert if tls and tls.enabled else None,
-                                ssl_keyfile=tls.key if tls and tls.enabled else None, timeout_graceful_shutdown=30)
+        config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ssl_certfile=tls.cert if tls and tls.enabled else None,
+            ssl_keyfile=tls.key if tls and tls.enabled else None,
+            timeout_graceful_shutdown=30,
+        )
         self.server = _Server(config)
         self.host, self.port = host, port
         self._task: asyncio.Task | None = None
 
-    async def start(self) -> "HTTPServer":
+    async def start(self) -> HTTPServer:
         check_free(self.host, self.port)
         self._task = asyncio.create_task(self.server.serve(), name="http")
         while not self.server.started:

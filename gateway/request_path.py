@@ -12,22 +12,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import grpc
 from opentelemetry import trace
 
+from pdserve.failure import FAILED_ADDRESS, FAILED_PARTY, INVALID_PARAMETER
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.observe import RequestWatch
 from pdserve.gateway.router import NoWorkerAvailable, RouteLease, Router, WorkerHandle
 from pdserve.gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
 from pdserve.gateway.tokenizer import Tokenizer
-from pdserve.deadline import deadline_passed
-from pdserve.logs import REQUEST_LOGGER, log_request
-from pdserve.tracing import trace_id
-from pdserve.failure import FAILED_ADDRESS, FAILED_PARTY, INVALID_PARAMETER
+from pdserve.logs import REQUEST_LOGGER
 from pdserve.protos import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -37,8 +35,11 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_REQUEST_ID = 128
-FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-          common_pb2.FINISH_REASON_ABORT: "abort"}
+FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
 
 
 class RequestError(Exception):
@@ -80,9 +81,16 @@ class Delta:
 
 
 class RequestPath:
-    def __init__(self, tokenizer: Tokenizer, model_name: str, router: Router, max_attempts: int = 3,
-                 max_prompt_bytes: int = 1 << 20, tracer: trace.Tracer | None = None,
-                 metrics: GatewayMetrics | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_name: str,
+        router: Router,
+        max_attempts: int = 3,
+        max_prompt_bytes: int = 1 << 20,
+        tracer: trace.Tracer | None = None,
+        metrics: GatewayMetrics | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.router = router
@@ -100,8 +108,11 @@ class RequestPath:
     def check(self, req: GenerationRequest) -> None:
         """What can be checked without tokenizing: sizes first, so a huge input costs nothing."""
         if req.model and req.model != self.model_name:
-            raise RequestError(grpc.StatusCode.NOT_FOUND,
-                               f"model {req.model!r} does not exist; this gateway serves {self.model_name!r}", "model")
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {req.model!r} does not exist; this gateway serves {self.model_name!r}",
+                "model",
+            )
         if len(req.request_id) > MAX_REQUEST_ID:
             raise invalid("request_id", f"request_id is {len(req.request_id)} characters; at most {MAX_REQUEST_ID}")
         if req.prompt is not None:
@@ -113,11 +124,15 @@ class RequestPath:
         else:
             size = 4 * len(req.token_ids or [])
         if size > self.max_prompt_bytes:
-            raise invalid("prompt" if req.messages is None else "messages",
-                          f"the prompt is {size} bytes; this gateway takes at most {self.max_prompt_bytes}")
+            raise invalid(
+                "prompt" if req.messages is None else "messages",
+                f"the prompt is {size} bytes; this gateway takes at most {self.max_prompt_bytes}",
+            )
         if len(req.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LENGTH for s in req.stop):
-            raise invalid("stop", f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
-                                  f"{MAX_STOP_LENGTH} characters")
+            raise invalid(
+                "stop",
+                f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LENGTH} characters",
+            )
 
     async def prompt_ids(self, req: GenerationRequest) -> list[int]:
         self.check(req)
@@ -172,8 +187,13 @@ class RequestPath:
                 except NoWorkerAvailable as e:
                     raise last_error or RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
                 decode, prefill = lease.decode, lease.prefill
-                span.set_attributes({"pdserve.decode": decode.address,
-                                     "pdserve.prefill": prefill.address if prefill else "", "pdserve.attempt": attempt})
+                span.set_attributes(
+                    {
+                        "pdserve.decode": decode.address,
+                        "pdserve.prefill": prefill.address if prefill else "",
+                        "pdserve.attempt": attempt,
+                    }
+                )
             out.routed(decode.address, prefill.address if prefill else "")
             try:
                 with lease:
@@ -187,14 +207,27 @@ class RequestPath:
                 log.warning("request %s: %s; retrying elsewhere", req.request_id, retry.error.message)
         raise last_error or RequestError(grpc.StatusCode.UNAVAILABLE, "no worker could serve the request")
 
-    async def _stream(self, req: GenerationRequest, prompt_ids: list[int], lease: RouteLease,
-                      detok: IncrementalDetokenizer, matcher: StopStringMatcher, usage: common_pb2.Usage,
-                      out: RequestWatch) -> AsyncIterator[Delta]:
+    async def _stream(
+        self,
+        req: GenerationRequest,
+        prompt_ids: list[int],
+        lease: RouteLease,
+        detok: IncrementalDetokenizer,
+        matcher: StopStringMatcher,
+        usage: common_pb2.Usage,
+        out: RequestWatch,
+    ) -> AsyncIterator[Delta]:
         decode, prefill = lease.decode, lease.prefill
         timeout = None if req.deadline is None else max(0.0, req.deadline - time.monotonic())
         call = decode.stub.Decode(
-            worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=prompt_ids, sampling=req.sampling,
-                                     prefill_address=prefill.address if prefill else ""), timeout=timeout)
+            worker_pb2.DecodeRequest(
+                request_id=req.request_id,
+                prompt_token_ids=prompt_ids,
+                sampling=req.sampling,
+                prefill_address=prefill.address if prefill else "",
+            ),
+            timeout=timeout,
+        )
         streamed = False
         stream_id = ""
         try:
@@ -219,8 +252,9 @@ class RequestPath:
                     yield Delta(text, list(resp.token_ids), list(resp.logprobs), finish, usage)
                     return
                 yield Delta(text, list(resp.token_ids), list(resp.logprobs))
-            raise RequestError(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} ended the stream without "
-                                                         "a finish reason")
+            raise RequestError(
+                grpc.StatusCode.INTERNAL, f"decode worker {decode.address} ended the stream without a finish reason"
+            )
         except grpc.aio.AioRpcError as e:
             raise self._failure(e, decode, prefill, streamed) from None
         finally:
@@ -232,8 +266,9 @@ class RequestPath:
         if not stream_id:
             return
         try:
-            await decode.stub.Finish(worker_pb2.FinishRequest(stream_id=stream_id, reason=common_pb2.FINISH_REASON_STOP),
-                                     timeout=5.0)
+            await decode.stub.Finish(
+                worker_pb2.FinishRequest(stream_id=stream_id, reason=common_pb2.FINISH_REASON_STOP), timeout=5.0
+            )
         except grpc.aio.AioRpcError as e:
             log.debug("Finish on %s failed: %s", decode.address, e.code().name)
 
@@ -243,18 +278,24 @@ class RequestPath:
         rather than whenever the call is collected."""
         try:
             await asyncio.wait_for(_consume(call), 5.0)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+        except (TimeoutError, grpc.aio.AioRpcError):
             pass
 
-    def _failure(self, e: grpc.aio.AioRpcError, decode: WorkerHandle, prefill: WorkerHandle | None,
-                 streamed: bool) -> Exception:
+    def _failure(
+        self, e: grpc.aio.AioRpcError, decode: WorkerHandle, prefill: WorkerHandle | None, streamed: bool
+    ) -> Exception:
         """A RequestError naming the worker that failed; a _Retry when another worker could serve it instead."""
         code = e.code()
         meta = {k: v for k, v in (e.trailing_metadata() or ())}
         party = meta.get(FAILED_PARTY, "decode")
         address = meta.get(FAILED_ADDRESS) or (prefill.address if party == "prefill" and prefill else decode.address)
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                    grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
+        if code in (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED,
+            grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ):
             return RequestError(code, e.details() or code.name, meta.get(INVALID_PARAMETER))
         where = "mid-stream" if streamed else "before the first token"
         error = RequestError(code, f"{party} worker {address} failed {where}: {e.details() or code.name}")

@@ -8,10 +8,10 @@ much of the prompt its prefix cache already holds, weighed against the work queu
 
 where `cached_blocks` counts the prompt's leading blocks whose hashes (`kernels.block_hash`, the workers' own)
 are in the worker's cache, as its `WatchCache` stream reports it, and `queued_tokens` is this gateway's own
-unanswered prompt tokens there (exact) plus what other senders had queued at the last poll. A cached block saves computing `block_size` tokens, so with
-overlap_weight 1 a worker wins a prompt when its hits outweigh its extra queue. Each prompt routed to a worker is
-added to that worker's index at once (the worker will cache it), so requests right behind it follow. A worker
-that goes away takes its index with it; a stale index only costs a miss.
+unanswered prompt tokens there (exact) plus what other senders had queued at the last poll. A cached block saves
+computing `block_size` tokens, so with overlap_weight 1 a worker wins a prompt when its hits outweigh its extra
+queue. Each prompt routed to a worker is added to that worker's index at once (the worker will cache it), so
+requests right behind it follow. A worker that goes away takes its index with it; a stale index only costs a miss.
 
 Conditional disaggregation: a decode worker that reports `local_prefill_max_tokens` gets prompts up to that
 length with no prefill worker, and prefills them itself, while its own prefill backlog is short.
@@ -23,16 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
-from typing import AbstractSet, Sequence
+from typing import Any
 
 import grpc
 
-from pdserve.kernels.block_hash import prefix_hashes
 from pdserve.discovery import Resolver, resolve_ipv4
 from pdserve.grpc_server import open_channel
-from pdserve.security import TLSConfig
+from pdserve.kernels.block_hash import prefix_hashes
 from pdserve.protos import worker_pb2, worker_pb2_grpc
+from pdserve.security import TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class WorkerHandle:
     address: str
     role: str
     channel: grpc.aio.Channel
-    stub: object
+    stub: Any  # PrefillServiceStub or DecodeServiceStub, by role
     healthy: bool = False
     stats: worker_pb2.WorkerStats = field(default_factory=worker_pb2.WorkerStats)
     # the two below change only through the RouteLeases of this gateway's requests
@@ -149,13 +150,23 @@ class Router:
     (scaled up) and drops those that left once nothing is in flight on them.
     """
 
-    def __init__(self, prefill: list[str], decode: list[str], poll_interval: float = 1.0,
-                 interceptors: Sequence[grpc.aio.ClientInterceptor] = (), discover: bool = False,
-                 resolve: Resolver = resolve_ipv4, probe_interval: float = 0.5, tls: TLSConfig | None = None,
-                 overlap_weight: float = 1.0, kv_aware: bool = True) -> None:
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        poll_interval: float = 1.0,
+        interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+        discover: bool = False,
+        resolve: Resolver = resolve_ipv4,
+        probe_interval: float = 0.5,
+        tls: TLSConfig | None = None,
+        overlap_weight: float = 1.0,
+        kv_aware: bool = True,
+    ) -> None:
         if not decode:
-            raise ValueError("need at least one decode worker address (and prefill workers, unless the decode "
-                             "workers are colocated)")
+            raise ValueError(
+                "need at least one decode worker address (and prefill workers, unless the decode workers are colocated)"
+            )
         self.poll_interval = poll_interval
         self.probe_interval = min(probe_interval, poll_interval)
         self.overlap_weight = overlap_weight
@@ -277,8 +288,7 @@ class Router:
         async def one(w: WorkerHandle) -> None:
             try:
                 mine = w.inflight_tokens
-                w.polled(await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=max(self.poll_interval, 1.0)),
-                         mine)
+                w.polled(await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=max(self.poll_interval, 1.0)), mine)
                 if not w.healthy:
                     log.info("%s worker %s is up", w.role, w.address)
                 w.healthy = True
@@ -287,8 +297,9 @@ class Router:
                     log.warning("%s worker %s is down: %s", w.role, w.address, e.code().name)
                 w.healthy = False
 
-        await asyncio.gather(*(one(w) for w in self.workers
-                               if w.address not in self._leaving and not (only_down and w.healthy)))
+        await asyncio.gather(
+            *(one(w) for w in self.workers if w.address not in self._leaving and not (only_down and w.healthy))
+        )
 
     async def wait_ready(self, timeout: float, report_every: float = 10.0) -> None:
         """Until at least one worker of each role answers; says which ones it is waiting for now and then."""
@@ -298,8 +309,9 @@ class Router:
         while not ((self.colocated or any(w.healthy for w in self.prefill)) and any(w.healthy for w in self.decode)):
             now = loop.time()
             if now > deadline:
-                raise NoWorkerAvailable("no healthy prefill and decode workers within "
-                                        f"{timeout:.0f}s: {[w.address for w in self.workers]}")
+                raise NoWorkerAvailable(
+                    f"no healthy prefill and decode workers within {timeout:.0f}s: {[w.address for w in self.workers]}"
+                )
             if now > report:
                 log.info("waiting for workers to answer: %s", [w.address for w in self.workers if not w.healthy])
                 report = now + report_every
@@ -311,7 +323,7 @@ class Router:
         """No prefill workers configured: the decode workers prefill themselves."""
         return not self._names["prefill"]
 
-    def pick(self, exclude: AbstractSet[str] = frozenset(), prompt: Sequence[int] = ()) -> RouteLease:
+    def pick(self, exclude: Set[str] = frozenset(), prompt: Sequence[int] = ()) -> RouteLease:
         """A lease on a decode worker and the prefill worker for `prompt` (None: the decode worker prefills it
         itself, colocated or by conditional disaggregation); hold it for as long as the request runs."""
         decode_ok = [w for w in self.decode if w.healthy and w.address not in exclude]
@@ -342,8 +354,13 @@ class Router:
         prefill = max(prefill_ok, key=score)
         uncached = max(0, len(prompt) - prefill.overlap(hashes, now) * block_size)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("prompt of %d tokens -> prefill %s (%d uncached); scores %s", len(prompt), prefill.address,
-                      uncached, {w.address: score(w) for w in prefill_ok})
+            log.debug(
+                "prompt of %d tokens -> prefill %s (%d uncached); scores %s",
+                len(prompt),
+                prefill.address,
+                uncached,
+                {w.address: score(w) for w in prefill_ok},
+            )
         prefill.expect(hashes, now)  # it will hold them once it has run the prompt
         return RouteLease(decode, prefill, uncached)
 

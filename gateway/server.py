@@ -16,25 +16,32 @@ from pdserve.gateway.request_path import GenerationRequest, RequestError, Reques
 from pdserve.gateway.router import NoWorkerAvailable, Router
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.grpc_server import RunningServer, records_cancellation, start_server
+from pdserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from pdserve.security import ApiKeyInterceptor, TLSConfig
 from pdserve.tracing import Tracing
-from pdserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-FINISH_PROTO = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-                "abort": common_pb2.FINISH_REASON_ABORT}
+FINISH_PROTO = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
 
 
-def request_from_proto(request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-                       ) -> GenerationRequest:
+def request_from_proto(request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:
     sampling = common_pb2.SamplingParams()
     sampling.CopyFrom(request.sampling)
     stop = list(sampling.stop)
     del sampling.stop[:]
     remaining = context.time_remaining()
-    req = GenerationRequest(request.request_id or uuid.uuid4().hex, sampling, stop=stop, model=request.model,
-                            deadline=time.monotonic() + remaining if remaining is not None else None)
+    req = GenerationRequest(
+        request.request_id or uuid.uuid4().hex,
+        sampling,
+        stop=stop,
+        model=request.model,
+        deadline=time.monotonic() + remaining if remaining is not None else None,
+    )
     kind = request.WhichOneof("input")
     if kind == "prompt":
         req.prompt = request.prompt
@@ -56,8 +63,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         req = request_from_proto(request, context)
         try:
             async for delta in self.path.run(req, "grpc"):
-                msg = generation_pb2.GenerateResponse(request_id=req.request_id, text=delta.text,
-                                                      token_ids=delta.token_ids, logprobs=delta.logprobs)
+                msg = generation_pb2.GenerateResponse(
+                    request_id=req.request_id, text=delta.text, token_ids=delta.token_ids, logprobs=delta.logprobs
+                )
                 if delta.finish_reason:
                     msg.finish_reason = FINISH_PROTO[delta.finish_reason]
                     msg.usage.CopyFrom(delta.usage)
@@ -79,29 +87,58 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def ListModels(self, request, context) -> generation_pb2.ListModelsResponse:
         return generation_pb2.ListModelsResponse(
-            models=[generation_pb2.ModelInfo(id=self.path.model_name, max_model_len=self.path.router.max_model_len)])
+            models=[generation_pb2.ModelInfo(id=self.path.model_name, max_model_len=self.path.router.max_model_len)]
+        )
 
 
-async def serve(model_dir: Path, host: str, port: int, prefill: list[str], decode: list[str],
-                ready_timeout: float = 300.0, tracing: Tracing | None = None,
-                metrics: GatewayMetrics | None = None, discover: bool = False, poll_interval: float = 1.0,
-                tls: TLSConfig | None = None, api_key: str | None = None, max_prompt_bytes: int = 1 << 20,
-                http_host: str | None = None, http_port: int = -1, kv_aware: bool = True,
-                overlap_weight: float = 1.0) -> tuple[RunningServer, Router, RequestPath, HTTPServer | None]:
+async def serve(
+    model_dir: Path,
+    host: str,
+    port: int,
+    prefill: list[str],
+    decode: list[str],
+    ready_timeout: float = 300.0,
+    tracing: Tracing | None = None,
+    metrics: GatewayMetrics | None = None,
+    discover: bool = False,
+    poll_interval: float = 1.0,
+    tls: TLSConfig | None = None,
+    api_key: str | None = None,
+    max_prompt_bytes: int = 1 << 20,
+    http_host: str | None = None,
+    http_port: int = -1,
+    kv_aware: bool = True,
+    overlap_weight: float = 1.0,
+) -> tuple[RunningServer, Router, RequestPath, HTTPServer | None]:
     """Bind the public ports first (a busy port fails at once), wait for workers, then say SERVING. With
     `http_port` >= 0 the OpenAI-compatible HTTP API is served too, on the same request path."""
     tracing = tracing or Tracing("pdserve-gateway")
     tokenizer = Tokenizer(model_dir)
-    router = Router(prefill, decode, poll_interval=poll_interval, interceptors=tracing.client_interceptors(),
-                    discover=discover, tls=tls, kv_aware=kv_aware, overlap_weight=overlap_weight)
-    path = RequestPath(tokenizer, model_dir.name, router, max_prompt_bytes=max_prompt_bytes, tracer=tracing.tracer,
-                       metrics=metrics)
+    router = Router(
+        prefill,
+        decode,
+        poll_interval=poll_interval,
+        interceptors=tracing.client_interceptors(),
+        discover=discover,
+        tls=tls,
+        kv_aware=kv_aware,
+        overlap_weight=overlap_weight,
+    )
+    path = RequestPath(
+        tokenizer, model_dir.name, router, max_prompt_bytes=max_prompt_bytes, tracer=tracing.tracer, metrics=metrics
+    )
     path.metrics.bind_router(router.counts, router.indexed)
     interceptors = [*tracing.server_interceptors(), *([ApiKeyInterceptor(api_key)] if api_key else [])]
     running = await start_server(
-        host, port, lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(path), s),
+        host,
+        port,
+        lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(path), s),
         [generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name],
-        interceptors=interceptors, serving=False, tls=tls, require_client_cert=False)
+        interceptors=interceptors,
+        serving=False,
+        tls=tls,
+        require_client_cert=False,
+    )
     http = None
     if http_port >= 0:
         try:

@@ -8,7 +8,7 @@ until they can no longer start a stop string, so a stop string is never streamed
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class IncrementalDetokenizer:
@@ -22,20 +22,24 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""
         self.token_ids.extend(token_ids)
-        prefix = self._tok.decode(self.token_ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip)
-        full = self._tok.decode(self.token_ids[self._prefix_offset:], skip_special_tokens=self._skip)
+        prefix = self._tok.decode(
+            self.token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip
+        )
+        full = self._tok.decode(self.token_ids[self._prefix_offset :], skip_special_tokens=self._skip)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self.token_ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
     def flush(self) -> str:
         """Whatever is still held back (a dangling partial character) once the stream ends."""
-        prefix = self._tok.decode(self.token_ids[self._prefix_offset:self._read_offset], skip_special_tokens=self._skip)
-        full = self._tok.decode(self.token_ids[self._prefix_offset:], skip_special_tokens=self._skip)
+        prefix = self._tok.decode(
+            self.token_ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip
+        )
+        full = self._tok.decode(self.token_ids[self._prefix_offset :], skip_special_tokens=self._skip)
         self._prefix_offset = self._read_offset = len(self.token_ids)
-        return full[len(prefix):] if len(full) > len(prefix) else ""
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
 
 
 class StopStringMatcher:
@@ -58,7 +62,7 @@ class StopStringMatcher:
             self.stopped = True
         else:
             end = max(self._emitted, len(self.text) - self._hold)
-        out = self.text[self._emitted:end]
+        out = self.text[self._emitted : end]
         self._emitted = end
         if self.stopped:
             self.text = self.text[:end]
@@ -68,6 +72,6 @@ class StopStringMatcher:
         """The held-back tail, once generation ended for another reason."""
         if self.stopped:
             return ""
-        out = self.text[self._emitted:]
+        out = self.text[self._emitted :]
         self._emitted = len(self.text)
         return out

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 from transformers import AutoTokenizer
 
@@ -22,16 +23,16 @@ class Tokenizer:
         """Chat messages -> prompt ids, ending with the assistant turn's opening."""
         if not getattr(self._tok, "chat_template", None):
             raise ValueError("this model has no chat template; send a raw prompt")
-        out = self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        out: Any = self._tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
-        return list(out)
+        return [int(t) for t in out]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
-        return self._tok.convert_ids_to_tokens(list(ids))
+        return list(self._tok.convert_ids_to_tokens(list(ids)))
 
     @property
     def hf(self):

@@ -9,7 +9,7 @@ fixed64, and a collision among the ~1e5 blocks a worker holds has odds of about 
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,6 +26,6 @@ def prefix_hashes(tokens: Sequence[int], block_size: int, parent: int | None = N
     """Hash chain over the full blocks of `tokens`."""
     out: list[int] = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block(parent, tokens[start:start + block_size])
+        parent = hash_block(parent, tokens[start : start + block_size])
         out.append(parent)
     return out

@@ -27,8 +27,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 def _cpu_id() -> str:
     """What `-march=native` compiles for: the machine and its CPU flags."""
     try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
-                     "")
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
     return f"{platform.machine()} {flags}"
@@ -41,8 +40,13 @@ def _compile(compiler: str, source: Path, target: Path, defines: tuple[str, ...]
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, *(f"-D{d}" for d in defines), str(source), "-o", tmp], check=True,
-                       capture_output=True, text=True, timeout=300)
+        subprocess.run(
+            [compiler, *FLAGS, *(f"-D{d}" for d in defines), str(source), "-o", tmp],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -60,8 +64,9 @@ def build(source: Path, cache_dir: Path, defines: tuple[str, ...] = ()) -> ctype
         log.info("no C compiler (%s): %s stays on the torch path", wanted or "cc", what)
         return None
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources may include
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(FLAGS), *defines, compiler,
-                                    _cpu_id()]).encode())
+    key = hashlib.sha256(
+        "\0".join([source.read_text(), *headers, " ".join(FLAGS), *defines, compiler, _cpu_id()]).encode()
+    )
     name = f"{what}-{key.hexdigest()[:16]}.so"
     for root in (cache_dir, Path(tempfile.gettempdir()) / "pdserve-kernels"):
         path = root / name

@@ -19,7 +19,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slot_mapp
     kv_layer[1].view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(kv_layer.dtype))
 
 
-
 def pack_blocks(layer: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """`[2, n, block_size, kv_heads, head_dim]`: K and V of the named blocks of one layer, contiguous."""
     return layer.index_select(1, block_ids.long())

@@ -40,8 +40,20 @@ class CpuElementwise:
         if not (x.dim() == 2 and _ok(x) and _ok(weight) and weight.is_contiguous() and x.shape[1] % LANES == 0):
             return rms_norm(x, weight, eps)
         out = torch.empty(x.shape, dtype=x.dtype)
-        self._check(self._rms(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
-                              eps, torch.get_num_threads()), "rms_norm", x)
+        self._check(
+            self._rms(
+                x.data_ptr(),
+                x.stride(0),
+                weight.data_ptr(),
+                out.data_ptr(),
+                x.shape[0],
+                x.shape[1],
+                eps,
+                torch.get_num_threads(),
+            ),
+            "rms_norm",
+            x,
+        )
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,18 +61,45 @@ class CpuElementwise:
             return silu_and_mul(x)
         inter = x.shape[1] // 2
         out = torch.empty(x.shape[0], inter, dtype=x.dtype)
-        self._check(self._silu(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], inter,
-                               torch.get_num_threads()), "silu_and_mul", x)
+        self._check(
+            self._silu(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], inter, torch.get_num_threads()),
+            "silu_and_mul",
+            x,
+        )
         return out
 
     def apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """In place (x is a view into this step's QKV projection, read by nothing else); returns x."""
-        if not (x.dim() == 3 and _ok(x) and x.stride(1) == x.shape[2] and cos.dim() == 3 and _ok(cos) and _ok(sin)
-                and cos.shape[1] == 1 and cos.stride() == sin.stride() and cos.shape[0] == x.shape[0]
-                and cos.shape[2] == x.shape[2] and x.shape[2] % 2 == 0 and x.shape[2] <= 1024):
+        if not (
+            x.dim() == 3
+            and _ok(x)
+            and x.stride(1) == x.shape[2]
+            and cos.dim() == 3
+            and _ok(cos)
+            and _ok(sin)
+            and cos.shape[1] == 1
+            and cos.stride() == sin.stride()
+            and cos.shape[0] == x.shape[0]
+            and cos.shape[2] == x.shape[2]
+            and x.shape[2] % 2 == 0
+            and x.shape[2] <= 1024
+        ):
             return apply_rope(x, cos, sin)
-        self._check(self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), x.shape[0],
-                               x.shape[1], x.shape[2], torch.get_num_threads()), "rope", x)
+        self._check(
+            self._rope(
+                x.data_ptr(),
+                x.stride(0),
+                cos.data_ptr(),
+                sin.data_ptr(),
+                cos.stride(0),
+                x.shape[0],
+                x.shape[1],
+                x.shape[2],
+                torch.get_num_threads(),
+            ),
+            "rope",
+            x,
+        )
         return x
 
     @staticmethod

@@ -36,12 +36,28 @@ class CpuPagedAttention:
         """Whether `decode` takes these: a CPU cache of a supported dtype, laid out as the kernel reads it."""
         _, _, kv_heads, dim = k_cache.shape
         heads = q.shape[1]
-        return (k_cache.device.type == "cpu" and k_cache.dtype in self._fns and q.dtype == k_cache.dtype
-                and k_cache.is_contiguous() and q.stride(2) == 1 and dim % LANES == 0 and dim <= MAX_HEAD_DIM
-                and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP)
+        return (
+            k_cache.device.type == "cpu"
+            and k_cache.dtype in self._fns
+            and q.dtype == k_cache.dtype
+            and k_cache.is_contiguous()
+            and q.stride(2) == 1
+            and dim % LANES == 0
+            and dim <= MAX_HEAD_DIM
+            and heads % kv_heads == 0
+            and heads // kv_heads <= MAX_GROUP
+        )
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        lens: torch.Tensor,
+        max_len: int,
+        scale: float,
+    ) -> torch.Tensor:
         """q `[B, H, D]` over `[num_blocks, block_size, kv_heads, D]` K/V; `block_tables` `[B, >= blocks]` int64,
         `lens` `[B]` int32 (each >= 1, at most `max_len`). Returns `[B, H, D]` in q's dtype."""
         b, heads, dim = q.shape
@@ -50,12 +66,29 @@ class CpuPagedAttention:
             block_tables = block_tables.to(torch.int64).contiguous()
         lens = lens.to(torch.int32).contiguous()
         out = torch.empty(b, heads, dim, dtype=q.dtype)
-        rc = self._fns[q.dtype](q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-                                block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), out.data_ptr(),
-                                b, heads, kv_heads, dim, block_size, scale, max_len, torch.get_num_threads())
+        rc = self._fns[q.dtype](
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            lens.data_ptr(),
+            out.data_ptr(),
+            b,
+            heads,
+            kv_heads,
+            dim,
+            block_size,
+            scale,
+            max_len,
+            torch.get_num_threads(),
+        )
         if rc != 0:
-            raise RuntimeError(f"cpu paged attention failed (code {rc}): shape {tuple(q.shape)} over "
-                               f"{tuple(k_cache.shape)}")
+            raise RuntimeError(
+                f"cpu paged attention failed (code {rc}): shape {tuple(q.shape)} over {tuple(k_cache.shape)}"
+            )
         return out
 
 

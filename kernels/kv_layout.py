@@ -36,12 +36,13 @@ class KVLayout:
     device: str = "cpu"  # memory kind ("cpu" or "cuda"): part of the fingerprint, transports move it differently
 
     @classmethod
-    def of(cls, cache: torch.Tensor, model: str) -> "KVLayout":
+    def of(cls, cache: torch.Tensor, model: str) -> KVLayout:
         layers, two, blocks, block_size, heads, dim = cache.shape
         if two != 2 or not cache.is_contiguous():
             raise ValueError("KV cache must be a contiguous [layers, 2, blocks, block_size, heads, dim] tensor")
-        return cls(model, str(cache.dtype).removeprefix("torch."), layers, block_size, heads, dim, blocks,
-                   cache.device.type)
+        return cls(
+            model, str(cache.dtype).removeprefix("torch."), layers, block_size, heads, dim, blocks, cache.device.type
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -65,7 +66,7 @@ class KVLayout:
     def shape(self) -> tuple[int, ...]:
         return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-    def with_blocks(self, num_blocks: int) -> "KVLayout":
+    def with_blocks(self, num_blocks: int) -> KVLayout:
         return replace(self, num_blocks=num_blocks)
 
     def allocate(self, device: str | torch.device | None = None) -> torch.Tensor:
@@ -83,10 +84,10 @@ class KVLayout:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KVLayout":
+    def from_dict(cls, d: dict) -> KVLayout:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
-    def check_compatible(self, other: "KVLayout") -> None:
+    def check_compatible(self, other: KVLayout) -> None:
         """Raise LayoutMismatch naming every field that differs."""
         mine, theirs = self.compatibility_fields(), other.compatibility_fields()
         diff = [f"{k}: {mine[k]!r} here vs {theirs[k]!r} there" for k in mine if mine[k] != theirs[k]]

@@ -13,8 +13,11 @@ from torch import nn
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
-            and torch.backends.mkldnn.is_available())
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in (torch.bfloat16, torch.float16)
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 class PackedLinear(nn.Module):

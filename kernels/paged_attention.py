@@ -20,11 +20,13 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     return cache.index_select(0, blocks).flatten(0, 1)[:length]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-          scale: float) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float
+) -> torch.Tensor:
     """q `[B, H, L, D]`, k/v `[B, KVH, S, D]` (grouped-query heads are matched inside SDPA, without copies)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 def paged_attention(
@@ -45,13 +47,22 @@ def paged_attention(
         lens = [seq_lens[i] for i in decode_rows]
         n_blocks = -(-max(lens) // kv_layer.shape[2])
         mask = decode_mask(torch.tensor(lens, device=q.device), n_blocks * kv_layer.shape[2])
-        out[tokens] = decode_attention(q[tokens], kv_layer[0], kv_layer[1], block_tables[decode_rows, :n_blocks],
-                                       mask, scale)
+        out[tokens] = decode_attention(
+            q[tokens], kv_layer[0], kv_layer[1], block_tables[decode_rows, :n_blocks], mask, scale
+        )
     return out
 
 
-def prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
-                      block_tables: torch.Tensor, rows: list[int], scale: float, out: torch.Tensor) -> None:
+def prefill_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: torch.Tensor,
+    rows: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     """Causal attention of the multi-token rows (prompts or prompt chunks), one at a time, into `out`."""
     k_cache, v_cache = kv_layer[0], kv_layer[1]
     for i in rows:
@@ -75,8 +86,14 @@ def decode_mask(lens: torch.Tensor, padded_len: int) -> torch.Tensor:
     return (torch.arange(padded_len, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """One query token per sequence: q `[B, H, D]` over the blocks named in `block_tables` `[B, n_blocks]` of a
     `[num_blocks, block_size, kv_heads, head_dim]` K and V cache; `mask` from `decode_mask`. Returns `[B, H, D]`."""
     b, n_blocks = block_tables.shape
@@ -84,6 +101,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     ids = block_tables.reshape(-1)
     k = k_cache.index_select(0, ids).view(b, n_blocks * block_size, kv_heads, dim).transpose(1, 2)
     v = v_cache.index_select(0, ids).view(b, n_blocks * block_size, kv_heads, dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[1] != kv_heads)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != kv_heads
+    )
     return out.squeeze(2)

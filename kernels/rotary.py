@@ -41,7 +41,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rope_for_positions(cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_for_positions(
+    cache: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin `[T, 1, D]` for a batch's positions, cast once per forward rather than once per layer."""
     cs = cache[positions].to(dtype)
     return cs[:, 0, None, :], cs[:, 1, None, :]

@@ -15,8 +15,18 @@ CHUNK = 1024
 
 
 @triton.jit
-def _copy_blocks_kernel(src, dst, block_ids, block_elems, src_kv_stride, src_block_stride,
-                        dst_kv_stride, dst_block_stride, SCATTER: tl.constexpr, CHUNK: tl.constexpr):
+def _copy_blocks_kernel(
+    src,
+    dst,
+    block_ids,
+    block_elems,
+    src_kv_stride,
+    src_block_stride,
+    dst_kv_stride,
+    dst_block_stride,
+    SCATTER: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     kv = tl.program_id(0)
     i = tl.program_id(1)
     offs = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
@@ -46,8 +56,17 @@ def pack_blocks(layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor 
         out = torch.empty((2, n, *layer.shape[2:]), dtype=layer.dtype, device=layer.device)
     if n:
         _copy_blocks_kernel[(2, n, triton.cdiv(elems, CHUNK))](
-            layer, out, block_ids, elems, layer.stride(0), layer.stride(1), out.stride(0), out.stride(1),
-            SCATTER=False, CHUNK=CHUNK)
+            layer,
+            out,
+            block_ids,
+            elems,
+            layer.stride(0),
+            layer.stride(1),
+            out.stride(0),
+            out.stride(1),
+            SCATTER=False,
+            CHUNK=CHUNK,
+        )
     return out
 
 
@@ -59,5 +78,14 @@ def unpack_blocks(buffer: torch.Tensor, layer: torch.Tensor, block_ids: torch.Te
         raise ValueError(f"buffer {tuple(buffer.shape)} does not hold {n} blocks of {tuple(layer.shape[2:])}")
     if n:
         _copy_blocks_kernel[(2, n, triton.cdiv(elems, CHUNK))](
-            buffer, layer, block_ids, elems, buffer.stride(0), buffer.stride(1), layer.stride(0), layer.stride(1),
-            SCATTER=True, CHUNK=CHUNK)
+            buffer,
+            layer,
+            block_ids,
+            elems,
+            buffer.stride(0),
+            buffer.stride(1),
+            layer.stride(0),
+            layer.stride(1),
+            SCATTER=True,
+            CHUNK=CHUNK,
+        )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 from pdserve.kvtransfer.errors import ProtocolError
 
@@ -84,8 +84,8 @@ class Bye:
     kind: ClassVar[str] = "bye"
 
 
-Message = Union[Hello, HelloOk, HelloErr, Begin, Layer, Done, Error, Abort, Bye]
-KINDS: dict[str, type] = {m.kind: m for m in (Hello, HelloOk, HelloErr, Begin, Layer, Done, Error, Abort, Bye)}
+Message = Hello | HelloOk | HelloErr | Begin | Layer | Done | Error | Abort | Bye
+KINDS: dict[str, type[Message]] = {m.kind: m for m in (Hello, HelloOk, HelloErr, Begin, Layer, Done, Error, Abort, Bye)}
 
 
 def encode(msg: Message) -> dict[str, Any]:
@@ -95,7 +95,7 @@ def encode(msg: Message) -> dict[str, Any]:
 
 def decode(header: dict[str, Any]) -> Message:
     """The message a header holds; ProtocolError for anything else."""
-    kind = KINDS.get(header.get("type"))  # type: ignore[arg-type]
+    kind = KINDS.get(str(header.get("type")))
     if kind is None:
         raise ProtocolError(f"unknown message type {header.get('type')!r}")
     values = {}
@@ -119,8 +119,12 @@ def _checked(name: str, value: Any) -> Any:
             raise ProtocolError("field 'blocks' must be a non-negative integer")
         return value
     if name == "layers":
-        if not isinstance(value, list) or not value or len(value) > MAX_LAYERS_PER_MESSAGE or \
-                not all(_is_int(v) and v >= 0 for v in value):
+        if (
+            not isinstance(value, list)
+            or not value
+            or len(value) > MAX_LAYERS_PER_MESSAGE
+            or not all(_is_int(v) and v >= 0 for v in value)
+        ):
             raise ProtocolError("field 'layers' must be a non-empty list of layer indices")
         return value
     if name == "layout":

@@ -12,8 +12,8 @@ connection that was feeding it breaks.
 
 Nothing a peer says is trusted: header sizes are capped by the transport, every field is type-checked
 (`messages.decode`), a `begin` with the wrong secret or any message that breaks the protocol closes the connection
-without reading its payload, and payload sizes come from the reservation, never from the peer. Late layers of a transfer that
-was begun correctly and then cancelled are read and dropped (their size is the reservation's).
+without reading its payload, and payload sizes come from the reservation, never from the peer. Late layers of a
+transfer that was begun correctly and then cancelled are read and dropped (their size is the reservation's).
 """
 
 from __future__ import annotations
@@ -30,8 +30,19 @@ import torch
 from pdserve.kernels.cache_ops import scatter_blocks
 from pdserve.kernels.kv_layout import KVLayout, LayoutMismatch, contiguous_run
 from pdserve.kvtransfer.errors import PeerDisconnected, ProtocolError, TransferCancelled, TransferError, TransferTimeout
-from pdserve.kvtransfer.messages import (MAX_ERROR, MAX_TRANSFER_ID, Abort, Begin, Bye, Done, Error, Hello, HelloErr,
-                                         HelloOk, Layer)
+from pdserve.kvtransfer.messages import (
+    MAX_ERROR,
+    MAX_TRANSFER_ID,
+    Abort,
+    Begin,
+    Bye,
+    Done,
+    Error,
+    Hello,
+    HelloErr,
+    HelloOk,
+    Layer,
+)
 from pdserve.kvtransfer.stats import StatsHook, TransferStats
 from pdserve.kvtransfer.transport import Connection, Listener, Transport, as_bytes
 
@@ -46,17 +57,25 @@ class _Expected:
     block_ids: list[int]
     secret: str
     future: asyncio.Future
+    stats: TransferStats
     layers_done: set[int] = field(default_factory=set)
     conn_id: int = 0  # the connection that began it (0: not begun yet)
-    stats: TransferStats | None = None
     started: float = 0.0
     timer: asyncio.TimerHandle | None = None
     receiving: asyncio.Future | None = None  # resolves when a receive into the blocks in flight ends
 
 
 class KVReceiver:
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, transport: Transport, host: str = "127.0.0.1",
-                 port: int = 0, timeout: float = 30.0, on_complete: StatsHook | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        transport: Transport,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout: float = 30.0,
+        on_complete: StatsHook | None = None,
+    ) -> None:
         if tuple(kv_cache.shape) != layout.shape:
             raise ValueError("KV cache shape does not match its layout")
         self.cache = kv_cache
@@ -76,7 +95,7 @@ class KVReceiver:
         assert self._listener is not None, "receiver not started"
         return f"{self.transport.name}://{self.host}:{self._listener.port}"
 
-    async def start(self) -> "KVReceiver":
+    async def start(self) -> KVReceiver:
         self._listener = await self.transport.listen(self.host, self.port, self._serve)
         log.info("KV receiver listening at %s", self.address)
         return self
@@ -88,8 +107,9 @@ class KVReceiver:
             await self._listener.close()
             self._listener = None
 
-    def expect(self, transfer_id: str, block_ids: list[int], secret: str, timeout: float | None = None
-               ) -> asyncio.Future:
+    def expect(
+        self, transfer_id: str, block_ids: list[int], secret: str, timeout: float | None = None
+    ) -> asyncio.Future:
         """Announce that transfer_id's KV will arrive into block_ids from a sender holding `secret`; the future
         yields its TransferStats. `timeout` (default the receiver's) counts from the sender's `begin`."""
         if transfer_id in self._expected:
@@ -99,11 +119,14 @@ class KVReceiver:
         if any(not 0 <= b < self.layout.num_blocks for b in block_ids):
             raise ValueError(f"block ids out of range for a pool of {self.layout.num_blocks}")
         fut = asyncio.get_running_loop().create_future()
-        exp = _Expected(transfer_id, list(block_ids), secret, fut)
-        exp.stats = TransferStats(transfer_id, self.transport.name, blocks=len(block_ids))
+        stats = TransferStats(transfer_id, self.transport.name, blocks=len(block_ids))
+        exp = _Expected(transfer_id, list(block_ids), secret, fut, stats)
         exp.timer = asyncio.get_running_loop().call_later(  # replaced by the progress timer at `begin`
-            timeout or self.timeout, self._fail, transfer_id,
-            TransferTimeout(f"transfer {transfer_id}: no sender began it within {timeout or self.timeout:.1f}s"))
+            timeout or self.timeout,
+            self._fail,
+            transfer_id,
+            TransferTimeout(f"transfer {transfer_id}: no sender began it within {timeout or self.timeout:.1f}s"),
+        )
         self._expected[transfer_id] = exp
         return fut
 
@@ -175,7 +198,7 @@ class KVReceiver:
             self.refused_connections += 1
             log.warning("closing KV connection from %s: %s", conn.peer, e)
             self._fail_fed_by(conn_id, PeerDisconnected(f"the sender broke the KV protocol: {e}"))
-        except (PeerDisconnected, asyncio.TimeoutError, TransferError) as e:
+        except (TimeoutError, PeerDisconnected, TransferError) as e:
             self._fail_fed_by(conn_id, PeerDisconnected(f"KV sender went away: {e}"))
             log.info("KV sender %s disconnected: %s", conn.peer, e)
 
@@ -198,11 +221,14 @@ class KVReceiver:
             self.discarded_messages += 1
             return "transfer not expected (cancelled or unknown)"
         if msg.blocks != len(exp.block_ids):
-            self._fail(tid, TransferError(f"transfer {tid}: the sender has {msg.blocks} blocks for a reservation "
-                                          f"of {len(exp.block_ids)}"))
+            self._fail(
+                tid,
+                TransferError(
+                    f"transfer {tid}: the sender has {msg.blocks} blocks for a reservation of {len(exp.block_ids)}"
+                ),
+            )
             return "block count does not match the reservation"
         exp.conn_id = conn_id
-        assert exp.stats is not None
         exp.stats.trace = dict(msg.trace)
         self._arm(exp)
         return None
@@ -212,16 +238,24 @@ class KVReceiver:
         if exp.timer:
             exp.timer.cancel()
         exp.timer = asyncio.get_running_loop().call_later(
-            self.timeout, self._fail, exp.transfer_id,
-            TransferTimeout(f"transfer {exp.transfer_id}: no KV for {self.timeout:.1f}s"))
+            self.timeout,
+            self._fail,
+            exp.transfer_id,
+            TransferTimeout(f"transfer {exp.transfer_id}: no KV for {self.timeout:.1f}s"),
+        )
 
     async def _on_layer(self, conn: Connection, conn_id: int, msg: Layer, begun: dict[str, int]) -> str | None:
         """Land one message of one or more consecutive layers; returns the transfer id if that completed it."""
         tid, layers, n = msg.req, msg.layers, msg.blocks
-        if begun.get(tid) != n or len(layers) > self.layout.num_layers or \
-                any(layer >= self.layout.num_layers for layer in layers):
-            raise ProtocolError(f"layer message for transfer {tid} that was not begun here with {n} blocks, or "
-                                "for layers this layout does not have")
+        if (
+            begun.get(tid) != n
+            or len(layers) > self.layout.num_layers
+            or any(layer >= self.layout.num_layers for layer in layers)
+        ):
+            raise ProtocolError(
+                f"layer message for transfer {tid} that was not begun here with {n} blocks, or "
+                "for layers this layout does not have"
+            )
         payloads = 2 * len(layers)
         exp = self._expected.get(tid)
         if exp is None or exp.conn_id != conn_id or any(layer in exp.layers_done for layer in layers):
@@ -238,13 +272,19 @@ class KVReceiver:
             run = contiguous_run(blocks)
             # a sender that stalls mid-message for longer than the timeout loses its connection (bounded wait)
             if run is not None and self.cache.device.type == "cpu":  # straight into the cache
-                await asyncio.wait_for(conn.recv_many([as_bytes(self.cache[layer, kv, run[0]:run[1]])
-                                                       for layer in layers for kv in (0, 1)]), self.timeout)
+                await asyncio.wait_for(
+                    conn.recv_many(
+                        [as_bytes(self.cache[layer, kv, run[0] : run[1]]) for layer in layers for kv in (0, 1)]
+                    ),
+                    self.timeout,
+                )
             else:  # scattered blocks, or device memory: land in host memory, then copy into place
                 shape = (len(layers), 2, len(blocks)) + tuple(self.cache.shape[3:])
                 staging = torch.empty(shape, dtype=self.cache.dtype)
-                await asyncio.wait_for(conn.recv_many([as_bytes(staging[i, kv]) for i in range(len(layers))
-                                                       for kv in (0, 1)]), self.timeout)
+                await asyncio.wait_for(
+                    conn.recv_many([as_bytes(staging[i, kv]) for i in range(len(layers)) for kv in (0, 1)]),
+                    self.timeout,
+                )
                 if self._expected.get(tid) is exp:  # not cancelled while the bytes were in flight
                     index = torch.tensor(blocks, device=self.cache.device)
                     for i, layer in enumerate(layers):
@@ -262,7 +302,8 @@ class KVReceiver:
             return None
         del self._expected[tid]
         begun.pop(tid, None)
-        exp.timer.cancel()
+        if exp.timer is not None:
+            exp.timer.cancel()
         exp.stats.seconds = time.perf_counter() - exp.started
         if not exp.future.done():
             exp.future.set_result(exp.stats)

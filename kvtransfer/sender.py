@@ -15,8 +15,8 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -75,8 +75,9 @@ class _Peer:
     """One connection to one receiver, its writer and reader tasks, and the requests riding on it. `on_broken`
     tells the owner once when the connection becomes unusable."""
 
-    def __init__(self, address: str, conn: Connection, budget: _ByteBudget, timeout: float,
-                 on_broken: Callable[[_Peer], None]) -> None:
+    def __init__(
+        self, address: str, conn: Connection, budget: _ByteBudget, timeout: float, on_broken: Callable[[_Peer], None]
+    ) -> None:
         self.address = address
         self.conn = conn
         self.budget = budget
@@ -124,7 +125,7 @@ class _Peer:
             await asyncio.wait_for(self.conn.send_many([(i.message, i.payloads) for i in items]), self.timeout)
         except PeerDisconnected as e:
             self.fail(PeerDisconnected(f"sending KV to {self.address} failed: {e!r}"))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.fail(TransferTimeout(f"receiver {self.address} did not take KV for {self.timeout:.1f}s"))
         finally:
             self.budget.release(nbytes)
@@ -139,7 +140,7 @@ class _Peer:
                 if isinstance(msg, Done):
                     req.stats.seconds = time.perf_counter() - req.started
                     req.done.set_result(req.stats)
-                else:
+                elif isinstance(msg, Error):
                     req.done.set_exception(TransferError(f"receiver refused request {req.request_id}: {msg.error}"))
         except TransferError as e:
             self.fail(e)
@@ -162,7 +163,7 @@ class _Peer:
         self.queue.put_nowait(None)
         try:
             await asyncio.wait_for(asyncio.shield(self.writer), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     async def close(self) -> None:
@@ -183,16 +184,26 @@ def _coalesce(items: list[_Queued]) -> list[_Queued]:
         prev = out[-1].message if out else None
         msg = item.message
         if isinstance(prev, Layer) and isinstance(msg, Layer) and prev.req == msg.req:
-            out[-1] = _Queued(Layer(msg.req, prev.layers + msg.layers, msg.blocks), out[-1].payloads + item.payloads,
-                              out[-1].nbytes + item.nbytes)
+            out[-1] = _Queued(
+                Layer(msg.req, prev.layers + msg.layers, msg.blocks),
+                out[-1].payloads + item.payloads,
+                out[-1].nbytes + item.nbytes,
+            )
         else:
             out.append(item)
     return out
 
 
 class KVSender:
-    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, transport: Transport, timeout: float = 30.0,
-                 max_inflight_bytes: int = 256 << 20, on_complete: StatsHook | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: KVLayout,
+        transport: Transport,
+        timeout: float = 30.0,
+        max_inflight_bytes: int = 256 << 20,
+        on_complete: StatsHook | None = None,
+    ) -> None:
         self.cache = kv_cache
         self.layout = layout
         self.transport = transport
@@ -224,18 +235,21 @@ class KVSender:
                 return self._peers[address]
             scheme, host, port = parse_address(address)
             if scheme != self.transport.name:
-                raise TransferError(f"address {address} needs transport {scheme!r}, this sender has "
-                                    f"{self.transport.name!r}")
+                raise TransferError(
+                    f"address {address} needs transport {scheme!r}, this sender has {self.transport.name!r}"
+                )
             try:
                 conn = await self.transport.connect(host, port, self.timeout)
-            except (OSError, asyncio.TimeoutError, PeerDisconnected) as e:
+            except (TimeoutError, OSError, PeerDisconnected) as e:
                 raise PeerDisconnected(f"cannot connect to KV receiver {address}: {e!r}") from e
             try:
                 await asyncio.wait_for(conn.send(Hello(self.layout.to_dict())), self.timeout)
                 reply = await asyncio.wait_for(conn.recv(), self.timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 await conn.close()
-                raise TransferTimeout(f"KV receiver {address} did not answer the handshake in {self.timeout:.1f}s")
+                raise TransferTimeout(
+                    f"KV receiver {address} did not answer the handshake in {self.timeout:.1f}s"
+                ) from None
             except BaseException:
                 await conn.close()
                 raise
@@ -254,8 +268,9 @@ class KVSender:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    def begin(self, request_id: str, address: str, src_block_ids: list[int], secret: str,
-              trace: dict[str, str] | None = None) -> None:
+    def begin(
+        self, request_id: str, address: str, src_block_ids: list[int], secret: str, trace: dict[str, str] | None = None
+    ) -> None:
         """Register a transfer of these blocks on the open connection to `address` (see `connect`), under the id
         and secret the receiver gave out for it."""
         if request_id in self._requests:
@@ -264,10 +279,20 @@ class KVSender:
         if peer is None:
             raise PeerDisconnected(f"no open KV connection to {address}")
         self._loop = asyncio.get_running_loop()
-        req = _Outgoing(request_id, peer, list(src_block_ids), contiguous_run(src_block_ids),
-                        self._loop.create_future(),
-                        TransferStats(request_id, self.transport.name, blocks=len(src_block_ids),
-                                      started_at=time.time(), trace=dict(trace or {})))
+        req = _Outgoing(
+            request_id,
+            peer,
+            list(src_block_ids),
+            contiguous_run(src_block_ids),
+            self._loop.create_future(),
+            TransferStats(
+                request_id,
+                self.transport.name,
+                blocks=len(src_block_ids),
+                started_at=time.time(),
+                trace=dict(trace or {}),
+            ),
+        )
         peer.requests[request_id] = req
         self._requests[request_id] = req
         peer.put(_Queued(Begin(request_id, len(src_block_ids), secret, req.stats.trace)))
@@ -279,7 +304,7 @@ class KVSender:
             return
         kv_layer = self.cache[layer]
         if req.src_run is not None:
-            packed = kv_layer[:, req.src_run[0]:req.src_run[1]]
+            packed = kv_layer[:, req.src_run[0] : req.src_run[1]]
         else:
             packed = gather_blocks(kv_layer, torch.tensor(req.src_block_ids, device=kv_layer.device))
         if packed.device.type != "cpu":
@@ -304,9 +329,10 @@ class KVSender:
             raise TransferError(f"request {request_id} was never begun")
         try:
             stats = await asyncio.wait_for(asyncio.shield(req.done), self.timeout)
-        except asyncio.TimeoutError:
-            raise TransferTimeout(f"receiver {req.peer.address} did not confirm request {request_id} "
-                                  f"within {self.timeout:.1f}s") from None
+        except TimeoutError:
+            raise TransferTimeout(
+                f"receiver {req.peer.address} did not confirm request {request_id} within {self.timeout:.1f}s"
+            ) from None
         finally:
             self._forget(req)
         if self.on_complete:

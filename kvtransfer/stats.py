@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 @dataclass
@@ -22,8 +22,15 @@ class TransferStats:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def as_dict(self) -> dict:
-        return {"request_id": self.request_id, "transport": self.transport, "bytes": self.nbytes,
-                "layers": self.layers, "blocks": self.blocks, "seconds": self.seconds, "gbps": self.gbps}
+        return {
+            "request_id": self.request_id,
+            "transport": self.transport,
+            "bytes": self.nbytes,
+            "layers": self.layers,
+            "blocks": self.blocks,
+            "seconds": self.seconds,
+            "gbps": self.gbps,
+        }
 
 
 StatsHook = Callable[[TransferStats], None]

@@ -6,7 +6,7 @@ import asyncio
 import json
 import socket
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,7 +29,8 @@ class TCPConnection(Connection):
         self.sock = sock
         self.loop = asyncio.get_running_loop()
         try:
-            self.peer = "%s:%d" % sock.getpeername()[:2]
+            host, port = sock.getpeername()[:2]
+            self.peer = f"{host}:{port}"
         except OSError:
             self.peer = "?"
 
@@ -40,7 +41,7 @@ class TCPConnection(Connection):
         try:
             await self.loop.sock_sendall(self.sock, _LEN.pack(len(blob)) + blob)
             for p in payloads:
-                await self.loop.sock_sendall(self.sock, memoryview(p).cast("B"))
+                await self.loop.sock_sendall(self.sock, p.data.cast("B"))
         except OSError as e:
             raise PeerDisconnected(f"send to {self.peer} failed: {e}") from e
 
@@ -66,7 +67,7 @@ class TCPConnection(Connection):
         return decode_header(blob)
 
     async def recv_into(self, buffer: np.ndarray) -> None:
-        await self._fill(memoryview(buffer).cast("B"))
+        await self._fill(buffer.data.cast("B"))
 
     async def close(self) -> None:
         self.sock.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import json
-from typing import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 import torch

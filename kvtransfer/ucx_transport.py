@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -57,12 +57,12 @@ def _frames(header: dict) -> list[np.ndarray]:
     first = np.zeros(_FRAME, dtype=np.uint8)
     first[:4] = np.frombuffer(np.uint32(len(blob)).tobytes(), dtype=np.uint8)
     head = np.frombuffer(blob[:_FRAME_BODY], dtype=np.uint8)
-    first[4:4 + head.size] = head
+    first[4 : 4 + head.size] = head
     frames = [first]
     for start in range(_FRAME_BODY, len(blob), _FRAME):
         frame = np.zeros(_FRAME, dtype=np.uint8)
-        chunk = np.frombuffer(blob[start:start + _FRAME], dtype=np.uint8)
-        frame[:chunk.size] = chunk
+        chunk = np.frombuffer(blob[start : start + _FRAME], dtype=np.uint8)
+        frame[: chunk.size] = chunk
         frames.append(frame)
     return frames
 
@@ -109,7 +109,7 @@ class UCXConnection(Connection):
         size = int(frame[:4].view(np.uint32)[0])
         if size > MAX_HEADER:
             raise ProtocolError(f"{self.peer} announced a {size}-byte header (at most {MAX_HEADER})")
-        blob = frame[4:4 + min(size, _FRAME_BODY)].tobytes()
+        blob = frame[4 : 4 + min(size, _FRAME_BODY)].tobytes()
         if size > _FRAME_BODY:
             more = [np.empty(_FRAME, dtype=np.uint8) for _ in range(-(-(size - _FRAME_BODY) // _FRAME))]
             await self._all([asyncio.ensure_future(self.ep.recv(f)) for f in more])
@@ -181,9 +181,9 @@ class UCXTransport(Transport):
         ucxx = _ucxx()
         try:
             ep = await asyncio.wait_for(ucxx.create_endpoint(host, port), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise
-        except Exception as e:  # noqa: BLE001 - ucxx raises its own types (not connected, reset, ...)
+        except Exception as e:
             raise PeerDisconnected(f"cannot open a UCX endpoint to {host}:{port}: {e!r}") from e
         return UCXConnection(ep, f"{host}:{port}")
 

@@ -8,8 +8,8 @@ import inspect
 import logging
 import signal
 import socket
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -47,12 +47,20 @@ def _add_reflection(server: grpc.aio.Server, names: list[str]) -> None:
     services = [*names, health.SERVICE_NAME, reflection.SERVICE_NAME, REFLECTION_V1]
     servicer = reflection.aio.ReflectionServicer(services)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(REFLECTION_V1, {
-        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
-            servicer.ServerReflectionInfo,
-            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString),
-    })])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                REFLECTION_V1,
+                {
+                    "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                        servicer.ServerReflectionInfo,
+                        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+                    ),
+                },
+            )
+        ]
+    )
 
 
 @dataclass
@@ -94,20 +102,29 @@ def check_free(host: str, port: int) -> None:
             raise PortInUse(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def open_channel(address: str, tls: TLSConfig | None = None,
-                 interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
+def open_channel(
+    address: str, tls: TLSConfig | None = None, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
+) -> grpc.aio.Channel:
     """A channel to another pdserve service: TLS (presenting this service's certificate) when configured."""
     creds = tls.channel_credentials() if tls is not None else None
-    if creds is None:
+    if tls is None or creds is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=list(interceptors) or None)
-    return grpc.aio.secure_channel(address, creds, options=[*CHANNEL_OPTIONS, *tls.channel_options()],
-                                   interceptors=list(interceptors) or None)
+    return grpc.aio.secure_channel(
+        address, creds, options=[*CHANNEL_OPTIONS, *tls.channel_options()], interceptors=list(interceptors) or None
+    )
 
 
-async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], None],
-                       service_names: Iterable[str], interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                       enable_reflection: bool = True, serving: bool = True, tls: TLSConfig | None = None,
-                       require_client_cert: bool = False) -> RunningServer:
+async def start_server(
+    host: str,
+    port: int,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: Iterable[str],
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    enable_reflection: bool = True,
+    serving: bool = True,
+    tls: TLSConfig | None = None,
+    require_client_cert: bool = False,
+) -> RunningServer:
     """Start a server with health and, unless disabled, reflection; health says SERVING at once, or (`serving`
     False) once the caller calls `serving()`. With `tls`, the port speaks TLS (and, with `require_client_cert`
     and a CA, only to callers holding a certificate it signed). Raises PortInUse, naming the address, when it
@@ -122,8 +139,11 @@ async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server
     check_free(host, port)
     creds = tls.server_credentials(require_client_cert) if tls is not None else None
     try:
-        bound = (server.add_secure_port(f"{host}:{port}", creds) if creds is not None
-                 else server.add_insecure_port(f"{host}:{port}"))
+        bound = (
+            server.add_secure_port(f"{host}:{port}", creds)
+            if creds is not None
+            else server.add_insecure_port(f"{host}:{port}")
+        )
     except RuntimeError:
         bound = 0
     if bound == 0:
@@ -145,12 +165,12 @@ async def serve_until_signal(stop: Callable[[], Awaitable[None]], fatal: asyncio
     done = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
-    waiters = [asyncio.ensure_future(done.wait())]
+    waiters: list[asyncio.Future] = [asyncio.ensure_future(done.wait())]
     if fatal is not None:
         waiters.append(fatal)
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     failed = fatal is not None and fatal.done()
-    log.info("shutting down" + (f" after a fatal error: {fatal.result()!r}" if failed else ""))
+    log.info("shutting down" + (f" after a fatal error: {fatal.result()!r}" if fatal is not None and failed else ""))
     await stop()
     for w in waiters:
         if not w.done():
@@ -172,6 +192,7 @@ def records_cancellation(method: Callable) -> Callable:
             pass
 
     if inspect.isasyncgenfunction(method):
+
         @functools.wraps(method)
         async def stream(self, request, context):
             try:
@@ -180,6 +201,7 @@ def records_cancellation(method: Callable) -> Callable:
             except asyncio.CancelledError:
                 note(context)
                 raise
+
         return stream
 
     @functools.wraps(method)
@@ -189,5 +211,5 @@ def records_cancellation(method: Callable) -> Callable:
         except asyncio.CancelledError:
             note(context)
             raise
-    return unary
 
+    return unary

@@ -51,16 +51,21 @@ class TLSConfig:
         if not self.enabled:
             return None
         client_ca = self._read(self.ca) if require_client_cert else None
-        return grpc.ssl_server_credentials([(self._read(self.key), self._read(self.cert))],
-                                           root_certificates=client_ca, require_client_auth=client_ca is not None)
+        return grpc.ssl_server_credentials(
+            [(self._read(self.key), self._read(self.cert))],
+            root_certificates=client_ca,
+            require_client_auth=client_ca is not None,
+        )
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         """Credentials to call another service: verify it with the CA, present this service's certificate."""
         if not (self.ca or self.enabled):
             return None
-        return grpc.ssl_channel_credentials(root_certificates=self._read(self.ca),
-                                            private_key=self._read(self.key) if self.enabled else None,
-                                            certificate_chain=self._read(self.cert) if self.enabled else None)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self._read(self.ca),
+            private_key=self._read(self.key) if self.enabled else None,
+            certificate_chain=self._read(self.cert) if self.enabled else None,
+        )
 
 
 def api_key_from_env() -> str | None:
@@ -97,9 +102,16 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             yield  # pragma: no cover - makes this an async generator, as streaming handlers are
 
-        kind = (grpc.unary_stream_rpc_method_handler if handler.unary_stream else
-                grpc.stream_stream_rpc_method_handler if handler.stream_stream else
-                grpc.stream_unary_rpc_method_handler if handler.stream_unary else grpc.unary_unary_rpc_method_handler)
+        kind = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.unary_stream
+            else grpc.stream_stream_rpc_method_handler
+            if handler.stream_stream
+            else grpc.stream_unary_rpc_method_handler
+            if handler.stream_unary
+            else grpc.unary_unary_rpc_method_handler
+        )
         fn = deny_stream if (handler.unary_stream or handler.stream_stream) else deny
-        return kind(fn, request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer)
+        return kind(
+            fn, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )

@@ -11,8 +11,10 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                      ExportTraceServiceResponse)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 
 
@@ -44,7 +46,7 @@ class OTLPReceiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
@@ -66,9 +68,9 @@ class OTLPReceiver:
     @property
     def endpoint(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
-    def __enter__(self) -> "OTLPReceiver":
+    def __enter__(self) -> OTLPReceiver:
         self._thread.start()
         return self
 
@@ -83,10 +85,19 @@ class OTLPReceiver:
             service = next((_value(a.value) for a in rs.resource.attributes if a.key == "service.name"), "")
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    spans.append(ReceivedSpan(
-                        s.name, service, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                        SpanProto.SpanKind.Name(s.kind).removeprefix("SPAN_KIND_"), s.start_time_unix_nano,
-                        s.end_time_unix_nano, {a.key: _value(a.value) for a in s.attributes}))
+                    spans.append(
+                        ReceivedSpan(
+                            s.name,
+                            service,
+                            s.trace_id.hex(),
+                            s.span_id.hex(),
+                            s.parent_span_id.hex(),
+                            SpanProto.SpanKind.Name(s.kind).removeprefix("SPAN_KIND_"),
+                            s.start_time_unix_nano,
+                            s.end_time_unix_nano,
+                            {a.key: _value(a.value) for a in s.attributes},
+                        )
+                    )
         with self._lock:
             self.spans.extend(spans)
         if self.on_spans:
@@ -126,10 +137,15 @@ def format_tree(spans: list[ReceivedSpan]) -> str:
 
     def walk(parent: str, depth: int) -> None:
         for s in sorted(children.get(parent, []), key=lambda s: s.start_ns):
-            attrs = " ".join(f"{k.split('.', 1)[-1]}={_short(v)}" for k, v in s.attributes.items()
-                             if k.startswith(("pdserve.", "kv.")) and k != "pdserve.request_id")
-            lines.append(f"{(s.start_ns - t0) / 1e6:9.1f} ms {(s.end_ns - s.start_ns) / 1e6:9.1f} ms  "
-                         f"{'  ' * depth}{s.name} [{s.service}] {attrs}".rstrip())
+            attrs = " ".join(
+                f"{k.split('.', 1)[-1]}={_short(v)}"
+                for k, v in s.attributes.items()
+                if k.startswith(("pdserve.", "kv.")) and k != "pdserve.request_id"
+            )
+            lines.append(
+                f"{(s.start_ns - t0) / 1e6:9.1f} ms {(s.end_ns - s.start_ns) / 1e6:9.1f} ms  "
+                f"{'  ' * depth}{s.name} [{s.service}] {attrs}".rstrip()
+            )
             walk(s.span_id, depth + 1)
 
     walk("", 0)
@@ -173,8 +189,10 @@ def serve_console(host: str, port: int, quiet: float = 8.0) -> None:
     """Run until Ctrl-C, printing each finished trace."""
     console = TraceConsole(quiet)
     with OTLPReceiver(host, port, on_spans=console.seen) as receiver:
-        print(f"OTLP/HTTP traces on {receiver.endpoint} (point services at it with --otlp-endpoint); Ctrl-C stops",
-              flush=True)
+        print(
+            f"OTLP/HTTP traces on {receiver.endpoint} (point services at it with --otlp-endpoint); Ctrl-C stops",
+            flush=True,
+        )
         try:
             while True:
                 time.sleep(0.5)

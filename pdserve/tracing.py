@@ -26,11 +26,12 @@ class TracingConfig:
     sample_ratio: float = 1.0
 
     @classmethod
-    def from_env(cls) -> "TracingConfig":
+    def from_env(cls) -> TracingConfig:
         """The standard OTEL_* variables, so a deployment configures pdserve like any other OTel service."""
         endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
-            "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+            "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
+        )
         ratio = float(os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0"))
         return cls(endpoint or None, protocol, ratio)
 
@@ -38,8 +39,9 @@ class TracingConfig:
 class Tracing:
     """A service's tracer. `enabled` is False when the config has no endpoint (or no exporter is given)."""
 
-    def __init__(self, service_name: str, config: TracingConfig | None = None, exporter=None,
-                 instance: str | None = None) -> None:
+    def __init__(
+        self, service_name: str, config: TracingConfig | None = None, exporter=None, instance: str | None = None
+    ) -> None:
         config = config or TracingConfig()
         self.service_name = service_name
         self._provider = None
@@ -56,8 +58,9 @@ class Tracing:
         attrs = {"service.name": service_name}
         if instance:
             attrs["service.instance.id"] = instance
-        self._provider = TracerProvider(resource=Resource.create(attrs),
-                                        sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
+        self._provider = TracerProvider(
+            resource=Resource.create(attrs), sampler=ParentBased(TraceIdRatioBased(config.sample_ratio))
+        )
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self._provider.get_tracer("pdserve")
 
@@ -90,8 +93,9 @@ class Tracing:
 def _not_noise():
     from opentelemetry.instrumentation.grpc import filters
 
-    return filters.negate(filters.any_of(*(filters.service_prefix(p) for p in GRPC_NOISE),
-                                         filters.method_name("GetStats")))
+    return filters.negate(
+        filters.any_of(*(filters.service_prefix(p) for p in GRPC_NOISE), filters.method_name("GetStats"))
+    )
 
 
 def _otlp_exporter(config: TracingConfig):
@@ -103,7 +107,7 @@ def _otlp_exporter(config: TracingConfig):
         raise ValueError(f"OTLP protocol {config.protocol!r}: use http/protobuf or grpc")
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
-    endpoint = config.endpoint.rstrip("/")
+    endpoint = (config.endpoint or "").rstrip("/")
     if not endpoint.endswith("/v1/traces"):
         endpoint += "/v1/traces"
     return HttpExporter(endpoint=endpoint)

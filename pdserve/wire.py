@@ -15,8 +15,19 @@ FINISH_REASONS = {
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
 
-_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "logprobs", "min_tokens")
+_OPTIONAL_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "min_tokens",
+)
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -36,8 +47,10 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 def logprob_to_proto(sample: SampleOutput) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
-        token_id=sample.token_id, logprob=sample.logprob or 0.0,
-        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in sample.top_logprobs])
+        token_id=sample.token_id,
+        logprob=sample.logprob or 0.0,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in sample.top_logprobs],
+    )
 
 
 def logprob_from_proto(msg: common_pb2.TokenLogprob) -> SampleOutput:
@@ -68,32 +81,57 @@ class PrefillResult:
 
 def job_to_proto(job: PrefillJob) -> worker_pb2.PrefillRequest:
     return worker_pb2.PrefillRequest(
-        request_id=job.request_id, token_ids=job.token_ids, num_prompt_tokens=job.num_prompt_tokens,
+        request_id=job.request_id,
+        token_ids=job.token_ids,
+        num_prompt_tokens=job.num_prompt_tokens,
         sampling=sampling_to_proto(job.params),
-        kv_target=worker_pb2.KVTarget(address=job.kv_address, layout_fingerprint=job.layout_fingerprint,
-                                      transfer_id=job.transfer_id, secret=job.transfer_secret))
+        kv_target=worker_pb2.KVTarget(
+            address=job.kv_address,
+            layout_fingerprint=job.layout_fingerprint,
+            transfer_id=job.transfer_id,
+            secret=job.transfer_secret,
+        ),
+    )
 
 
 def job_from_proto(msg: worker_pb2.PrefillRequest) -> PrefillJob:
     t = msg.kv_target
-    return PrefillJob(msg.request_id, list(msg.token_ids), msg.num_prompt_tokens, sampling_from_proto(msg.sampling),
-                      t.address, t.layout_fingerprint, t.transfer_id, t.secret)
+    return PrefillJob(
+        msg.request_id,
+        list(msg.token_ids),
+        msg.num_prompt_tokens,
+        sampling_from_proto(msg.sampling),
+        t.address,
+        t.layout_fingerprint,
+        t.transfer_id,
+        t.secret,
+    )
 
 
 def result_to_proto(result: PrefillResult) -> worker_pb2.PrefillResponse:
     t = result.transfer
     return worker_pb2.PrefillResponse(
-        token_id=result.sample.token_id, logprob=logprob_to_proto(result.sample),
-        cached_tokens=result.cached_tokens, computed_tokens=result.computed_tokens,
-        transfer=worker_pb2.TransferFigures(bytes=t.get("bytes", 0), seconds=t.get("seconds", 0.0),
-                                            layers=t.get("layers", 0), blocks=t.get("blocks", 0),
-                                            transport=t.get("transport", "")))
+        token_id=result.sample.token_id,
+        logprob=logprob_to_proto(result.sample),
+        cached_tokens=result.cached_tokens,
+        computed_tokens=result.computed_tokens,
+        transfer=worker_pb2.TransferFigures(
+            bytes=t.get("bytes", 0),
+            seconds=t.get("seconds", 0.0),
+            layers=t.get("layers", 0),
+            blocks=t.get("blocks", 0),
+            transport=t.get("transport", ""),
+        ),
+    )
 
 
 def result_from_proto(msg: worker_pb2.PrefillResponse, wants_logprobs: bool) -> PrefillResult:
     sample = logprob_from_proto(msg.logprob) if wants_logprobs else SampleOutput(msg.token_id)
     sample.token_id = msg.token_id
     t = msg.transfer
-    return PrefillResult(sample, msg.cached_tokens, msg.computed_tokens,
-                         {"bytes": t.bytes, "seconds": t.seconds, "layers": t.layers, "blocks": t.blocks,
-                          "transport": t.transport})
+    return PrefillResult(
+        sample,
+        msg.cached_tokens,
+        msg.computed_tokens,
+        {"bytes": t.bytes, "seconds": t.seconds, "layers": t.layers, "blocks": t.blocks, "transport": t.transport},
+    )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -14,28 +14,40 @@ class PrefillMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pdserve_prefill_requests", "Finished Prefill requests by outcome.", ["status"],
-                                registry=r)
+        self.requests = Counter(
+            "pdserve_prefill_requests", "Finished Prefill requests by outcome.", ["status"], registry=r
+        )
         self.requests.labels("ok")  # present from the start, so rates begin at zero
-        self.queue_time = Histogram("pdserve_prefill_queue_time_seconds", "Arrival until the first forward step.",
-                                    buckets=TTFT_BUCKETS, registry=r)
-        self.forward_time = Histogram("pdserve_prefill_forward_seconds",
-                                      "First to last forward step of one prompt.", buckets=TTFT_BUCKETS, registry=r)
-        self.step_time = Histogram("pdserve_prefill_step_seconds", "One batched prefill forward.",
-                                   buckets=TTFT_BUCKETS, registry=r)
-        self.batch_tokens = Histogram("pdserve_prefill_batch_tokens", "Tokens computed per forward step.",
-                                      buckets=TOKEN_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("pdserve_prefill_prompt_tokens", "Prompt tokens of finished requests.",
-                                     registry=r)
-        self.prefix_hit_tokens = Counter("pdserve_prefill_prefix_cache_hit_tokens",
-                                         "Prompt tokens served from the prefix cache.", registry=r)
-        self.transfer_bytes = Counter("pdserve_kv_transfer_sent_bytes", "KV bytes sent to decode workers.",
-                                      registry=r)
-        self.transfer_seconds = Histogram("pdserve_kv_transfer_seconds",
-                                          "Begin of a request's KV transfer until the decode worker acknowledged it.",
-                                          buckets=TTFT_BUCKETS, registry=r)
-        self.running = Gauge("pdserve_prefill_requests_running", "Prompts being computed or transferred.",
-                             registry=r)
+        self.queue_time = Histogram(
+            "pdserve_prefill_queue_time_seconds",
+            "Arrival until the first forward step.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.forward_time = Histogram(
+            "pdserve_prefill_forward_seconds",
+            "First to last forward step of one prompt.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.step_time = Histogram(
+            "pdserve_prefill_step_seconds", "One batched prefill forward.", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "pdserve_prefill_batch_tokens", "Tokens computed per forward step.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("pdserve_prefill_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.prefix_hit_tokens = Counter(
+            "pdserve_prefill_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", registry=r
+        )
+        self.transfer_bytes = Counter("pdserve_kv_transfer_sent_bytes", "KV bytes sent to decode workers.", registry=r)
+        self.transfer_seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Begin of a request's KV transfer until the decode worker acknowledged it.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge("pdserve_prefill_requests_running", "Prompts being computed or transferred.", registry=r)
         self.waiting = Gauge("pdserve_prefill_requests_waiting", "Prompts queued.", registry=r)
         self.kv_blocks = Gauge("pdserve_prefill_kv_blocks", "KV blocks by state.", ["state"], registry=r)
 
@@ -46,4 +58,5 @@ class PrefillMetrics:
         self.kv_blocks.labels("used").set_function(lambda: stats().kv_blocks_used)
         self.kv_blocks.labels("cached").set_function(lambda: stats().kv_blocks_evictable)
         self.kv_blocks.labels("free").set_function(
-            lambda: (s := stats()).kv_blocks_total - s.kv_blocks_used - s.kv_blocks_evictable)
+            lambda: (s := stats()).kv_blocks_total - s.kv_blocks_used - s.kv_blocks_evictable
+        )

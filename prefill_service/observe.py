@@ -52,19 +52,32 @@ class JobWatch:
         m.forward_time.observe((end_ns - self.first_step_ns) / 1e9)
         m.prompt_tokens.inc(seq.num_prompt_tokens)
         m.prefix_hit_tokens.inc(seq.num_cached_tokens)
-        tracer.start_span("prefill.forward", context=self.context, start_time=self.first_step_ns,
-                          attributes={"pdserve.prompt_tokens": seq.num_prompt_tokens,
-                                      "pdserve.cached_tokens": seq.num_cached_tokens,
-                                      "pdserve.computed_tokens": len(seq.token_ids) - seq.num_cached_tokens,
-                                      "pdserve.steps": self.steps,
-                                      "pdserve.last_batch_tokens": batch.num_tokens}).end(end_time=end_ns)
+        tracer.start_span(
+            "prefill.forward",
+            context=self.context,
+            start_time=self.first_step_ns,
+            attributes={
+                "pdserve.prompt_tokens": seq.num_prompt_tokens,
+                "pdserve.cached_tokens": seq.num_cached_tokens,
+                "pdserve.computed_tokens": len(seq.token_ids) - seq.num_cached_tokens,
+                "pdserve.steps": self.steps,
+                "pdserve.last_batch_tokens": batch.num_tokens,
+            },
+        ).end(end_time=end_ns)
 
     def sending(self, seq: Sequence, transport: str) -> dict[str, str]:
         """The transfer begins: opens its span and returns the trace context to send with it."""
         self._transfer = self.observer.tracer.start_span(
-            "kv.transfer", context=self.context, kind=trace.SpanKind.PRODUCER,
-            attributes={"pdserve.request_id": seq.request_id, "kv.destination": self.job.kv_address,
-                        "kv.transport": transport, "kv.blocks": len(seq.block_ids)})
+            "kv.transfer",
+            context=self.context,
+            kind=trace.SpanKind.PRODUCER,
+            attributes={
+                "pdserve.request_id": seq.request_id,
+                "kv.destination": self.job.kv_address,
+                "kv.transport": transport,
+                "kv.blocks": len(seq.block_ids),
+            },
+        )
         return inject(self._transfer)
 
     def sent(self, stats: TransferStats | None = None, error: str | None = None) -> None:
@@ -76,8 +89,15 @@ class JobWatch:
         if span is None:
             return
         if stats is not None:
-            span.set_attributes({"kv.bytes": stats.nbytes, "kv.layers": stats.layers, "kv.blocks": stats.blocks,
-                                 "kv.seconds": stats.seconds, "kv.gbps": stats.gbps})
+            span.set_attributes(
+                {
+                    "kv.bytes": stats.nbytes,
+                    "kv.layers": stats.layers,
+                    "kv.blocks": stats.blocks,
+                    "kv.seconds": stats.seconds,
+                    "kv.gbps": stats.gbps,
+                }
+            )
         if error is not None:
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         span.end()
@@ -93,10 +113,20 @@ class JobWatch:
         job = self.job
         fields: dict[str, object] = {"prompt_tokens": job.num_prompt_tokens, "tokens": len(job.token_ids)}
         if result is not None:
-            fields.update(cached_tokens=result.cached_tokens, kv_bytes=result.transfer.get("bytes", 0),
-                          kv_gbps=round(result.transfer.get("gbps", 0.0), 3))
-        log_request(request_log, request_id=job.request_id, trace_id=self.trace_id, status=status,
-                    seconds=round(time.perf_counter() - self.t0, 4), decode_kv=job.kv_address, **fields)
+            fields.update(
+                cached_tokens=result.cached_tokens,
+                kv_bytes=result.transfer.get("bytes", 0),
+                kv_gbps=round(result.transfer.get("gbps", 0.0), 3),
+            )
+        log_request(
+            request_log,
+            request_id=job.request_id,
+            trace_id=self.trace_id,
+            status=status,
+            seconds=round(time.perf_counter() - self.t0, 4),
+            decode_kv=job.kv_address,
+            **fields,
+        )
 
 
 class PrefillObserver:

@@ -10,15 +10,15 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import InvalidParameter
 from pdserve.errors import status_of
 from pdserve.failure import failure_metadata
+from pdserve.grpc_server import RunningServer, records_cancellation, start_server
 from pdserve.kernels.kv_layout import LayoutMismatch
 from pdserve.kvtransfer.errors import TransferError
-from pdserve.grpc_server import RunningServer, records_cancellation, start_server
-from pdserve.security import TLSConfig
-from pdserve.tracing import Tracing
-from pdserve.wire import job_from_proto, result_to_proto
 from pdserve.prefill_service.observe import PrefillObserver
 from pdserve.prefill_service.worker import PrefillWorker
 from pdserve.protos import worker_pb2, worker_pb2_grpc
+from pdserve.security import TLSConfig
+from pdserve.tracing import Tracing
+from pdserve.wire import job_from_proto, result_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +51,31 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         return worker_pb2.WorkerStats(**self.worker.stats())
 
 
-async def serve(cfg: EngineConfig, host: str, port: int, transport: str, tracing: Tracing | None = None,
-                reflection: bool = False, tls: TLSConfig | None = None) -> tuple[RunningServer, PrefillWorker]:
+async def serve(
+    cfg: EngineConfig,
+    host: str,
+    port: int,
+    transport: str,
+    tracing: Tracing | None = None,
+    reflection: bool = False,
+    tls: TLSConfig | None = None,
+) -> tuple[RunningServer, PrefillWorker]:
     tracing = tracing or Tracing("pdserve-prefill")
     worker = PrefillWorker(cfg, transport=transport, observer=PrefillObserver(tracing.tracer))
     try:
         await worker.start()
         running = await start_server(
-            host, port, lambda s: worker_pb2_grpc.add_PrefillServiceServicer_to_server(
-                PrefillServicer(worker, f"{host}:{port}"), s),
+            host,
+            port,
+            lambda s: worker_pb2_grpc.add_PrefillServiceServicer_to_server(
+                PrefillServicer(worker, f"{host}:{port}"), s
+            ),
             [worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name],
-            interceptors=tracing.server_interceptors(), enable_reflection=reflection, tls=tls,
-            require_client_cert=True)
+            interceptors=tracing.server_interceptors(),
+            enable_reflection=reflection,
+            tls=tls,
+            require_client_cert=True,
+        )
     except BaseException:
         await worker.stop()  # its model thread would keep the process alive
         raise

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore, StepOutput
@@ -50,11 +50,16 @@ class _Job:
 class PrefillWorker:
     role = "prefill"
 
-    def __init__(self, cfg: EngineConfig, transport: str = "ucx", max_queued: int = 1024,
-                 transfer_timeout: float = 60.0, observer: PrefillObserver | None = None) -> None:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        transport: str = "ucx",
+        max_queued: int = 1024,
+        transfer_timeout: float = 60.0,
+        observer: PrefillObserver | None = None,
+    ) -> None:
         self.observer = observer or PrefillObserver()
-        self.loop = EngineLoop(lambda: EngineCore(cfg), self.role, layer_hooks=self._layer_hooks,
-                               on_step=self._on_step)
+        self.loop = EngineLoop(lambda: EngineCore(cfg), self.role, layer_hooks=self._layer_hooks, on_step=self._on_step)
         self.core = self.loop.core
         self.model_name = self.core.model_config.name
         self.layout = self.core.layout
@@ -93,8 +98,10 @@ class PrefillWorker:
         if not 0 < len(job.transfer_id) <= 128 or not job.transfer_secret:
             raise InvalidParameter("kv_target", "kv_target needs a transfer_id (1..128 characters) and a secret")
         if job.layout_fingerprint != self.layout.fingerprint:
-            raise LayoutMismatch(f"KV layout fingerprint {job.layout_fingerprint!r} does not match this worker's "
-                                 f"{self.layout.fingerprint!r} ({self.layout.compatibility_fields()})")
+            raise LayoutMismatch(
+                f"KV layout fingerprint {job.layout_fingerprint!r} does not match this worker's "
+                f"{self.layout.fingerprint!r} ({self.layout.compatibility_fields()})"
+            )
 
     async def prefill(self, job: PrefillJob) -> PrefillResult:
         """Queue, run and transfer one prompt; returns its first token. Cancelling it frees its blocks."""
@@ -121,8 +128,9 @@ class PrefillWorker:
             with self.observer.connecting(job.kv_address):
                 await self.sender.connect(job.kv_address)
         self.requests_total += 1
-        seq = Sequence(job.request_id, list(job.token_ids), job.params, num_prompt_tokens=job.num_prompt_tokens,
-                       prefill_only=True)
+        seq = Sequence(
+            job.request_id, list(job.token_ids), job.params, num_prompt_tokens=job.num_prompt_tokens, prefill_only=True
+        )
         entry = _Job(job, seq, asyncio.get_running_loop().create_future(), watch)
         self._jobs[seq] = entry
         self.loop.submit(seq, lambda out: self._on_output(entry, out))
@@ -188,8 +196,11 @@ class PrefillWorker:
             stats = await self.sender.finish(spec.transfer_id)
             entry.watch.sent(stats)
             if not entry.future.done():
-                entry.future.set_result(PrefillResult(sample, seq.num_cached_tokens,
-                                                      len(seq.token_ids) - seq.num_cached_tokens, stats.as_dict()))
+                entry.future.set_result(
+                    PrefillResult(
+                        sample, seq.num_cached_tokens, len(seq.token_ids) - seq.num_cached_tokens, stats.as_dict()
+                    )
+                )
         except Exception as e:  # noqa: BLE001 - handed to the waiting RPC
             entry.watch.sent(error=str(e))
             if not entry.future.done():
@@ -245,11 +256,18 @@ class PrefillWorker:
     def stats(self) -> dict:
         core = self.core.stats()
         return {
-            "kv_blocks_total": core.kv_blocks_total, "kv_blocks_used": core.kv_blocks_used,
-            "kv_blocks_cached": core.kv_blocks_cached, "block_size": core.block_size,
-            "running": core.running + len(self._finishing), "waiting": core.waiting,
+            "kv_blocks_total": core.kv_blocks_total,
+            "kv_blocks_used": core.kv_blocks_used,
+            "kv_blocks_cached": core.kv_blocks_cached,
+            "block_size": core.block_size,
+            "running": core.running + len(self._finishing),
+            "waiting": core.waiting,
             "queued_tokens": core.queued_tokens + core.prefilling_tokens,
-            "prefix_hit_tokens": core.prefix_hit_tokens, "max_model_len": core.max_model_len,
-            "preemptions_total": core.preemptions_total, "role": self.role, "model": self.model_name,
-            "requests_total": self.requests_total, "pending_transfers": len(self._finishing),
+            "prefix_hit_tokens": core.prefix_hit_tokens,
+            "max_model_len": core.max_model_len,
+            "preemptions_total": core.preemptions_total,
+            "role": self.role,
+            "model": self.model_name,
+            "requests_total": self.requests_total,
+            "pending_transfers": len(self._finishing),
         }

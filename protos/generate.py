@@ -21,8 +21,15 @@ def generate(out_dir: Path) -> None:
     from grpc_tools import protoc
 
     include = str(Path(grpc_tools.__file__).parent / "_proto")
-    args = ["protoc", f"-Ipdserve={ROOT}", f"-I{include}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", *PROTOS]
+    args = [
+        "protoc",
+        f"-Ipdserve={ROOT}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        *PROTOS,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
 

@@ -26,9 +26,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer GQA Llama with random weights, written by `transformers` itself (separate q/k/v, tied head)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      rope_theta=10000.0, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -90,9 +100,11 @@ def observed_stack(tmp_path_factory):
 
     logs = tmp_path_factory.mktemp("logs")
     with OTLPReceiver() as otlp:
-        stack = start_stack(observe=["--otlp-endpoint", otlp.endpoint], log_dir=logs,
-                            env={"OTEL_BSP_SCHEDULE_DELAY": "100", "PDSERVE_LOG_LEVEL": "INFO",
-                                 "PDSERVE_LOG_FORMAT": "json"})
+        stack = start_stack(
+            observe=["--otlp-endpoint", otlp.endpoint],
+            log_dir=logs,
+            env={"OTEL_BSP_SCHEDULE_DELAY": "100", "PDSERVE_LOG_LEVEL": "INFO", "PDSERVE_LOG_FORMAT": "json"},
+        )
         try:
             yield stack, otlp, logs
         finally:

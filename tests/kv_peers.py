@@ -32,14 +32,15 @@ def _other_tasks() -> list[str]:
 
 def receiver_main(pipe, transport_name: str, layout: dict, num_blocks: int, timeout: float) -> None:
     from pdserve.kernels.kv_layout import KVLayout
-    from pdserve.kvtransfer.receiver import KVReceiver
     from pdserve.kvtransfer.backends import make_transport, shutdown_transports
+    from pdserve.kvtransfer.receiver import KVReceiver
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         cache = make_cache(num_blocks, None, layout)
-        recv = KVReceiver(cache, KVLayout(**layout, num_blocks=num_blocks), make_transport(transport_name),
-                          timeout=timeout)
+        recv = KVReceiver(
+            cache, KVLayout(**layout, num_blocks=num_blocks), make_transport(transport_name), timeout=timeout
+        )
         await recv.start()
         commands: asyncio.Queue = asyncio.Queue()
         threading.Thread(target=lambda: _pump(pipe, loop, commands), daemon=True).start()
@@ -90,16 +91,26 @@ def _pump(pipe, loop, queue) -> None:
             return
 
 
-def sender_main(pipe, transport_name: str, layout: dict, num_blocks: int, address: str, jobs: list, seed: int,
-                timeout: float, stall_after_layers: int | None = None, secret: str = SECRET) -> None:
+def sender_main(
+    pipe,
+    transport_name: str,
+    layout: dict,
+    num_blocks: int,
+    address: str,
+    jobs: list,
+    seed: int,
+    timeout: float,
+    stall_after_layers: int | None = None,
+    secret: str = SECRET,
+) -> None:
     """Run every job (request id, source blocks, destination blocks) concurrently; report per-request outcome.
 
     With stall_after_layers, each request sends that many layers, reports "stalled", and the process waits to
     be killed.
     """
     from pdserve.kernels.kv_layout import KVLayout
-    from pdserve.kvtransfer.sender import KVSender
     from pdserve.kvtransfer.backends import make_transport
+    from pdserve.kvtransfer.sender import KVSender
 
     async def one(sender, rid, src, dst) -> None:
         try:
@@ -123,8 +134,13 @@ def sender_main(pipe, transport_name: str, layout: dict, num_blocks: int, addres
 
     async def main() -> None:
         cache = make_cache(num_blocks, seed, layout)
-        sender = KVSender(cache, KVLayout(**layout, num_blocks=num_blocks), make_transport(transport_name),
-                          timeout=timeout, max_inflight_bytes=64 << 10)
+        sender = KVSender(
+            cache,
+            KVLayout(**layout, num_blocks=num_blocks),
+            make_transport(transport_name),
+            timeout=timeout,
+            max_inflight_bytes=64 << 10,
+        )
         await asyncio.gather(*(one(sender, *job) for job in jobs))
         pipe.send(("connections", sender.num_connections))
         await sender.close()

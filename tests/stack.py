@@ -24,8 +24,11 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
     """A live /metrics page, parsed by Prometheus' own text parser: {(sample name, labels): value}."""
     with urllib.request.urlopen(url, timeout=5) as resp:
         text = resp.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 _given: set[int] = set()
@@ -68,7 +71,9 @@ def service_env() -> dict:
 def channel(address: str, tls=None) -> grpc.Channel:
     """A blocking channel to a service (TLS, with this test's client certificate, when `tls` is given)."""
     creds = tls.channel_credentials() if tls is not None else None
-    return grpc.secure_channel(address, creds, options=tls.channel_options()) if creds else grpc.insecure_channel(address)
+    return (
+        grpc.secure_channel(address, creds, options=tls.channel_options()) if creds else grpc.insecure_channel(address)
+    )
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 180.0, tls=None) -> None:
@@ -79,7 +84,10 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 180.0, t
             if proc.poll() is not None:
                 raise RuntimeError(f"service {proc.args} exited with {proc.returncode}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 time.sleep(0.3)
@@ -124,10 +132,21 @@ class Stack:
                 p.wait(5)
 
 
-def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1, decode_extra: list[str] = (),
-                observe: list[str] = (), env: dict | None = None, log_dir: Path | None = None,
-                colocated: bool = False, decode_workers: int = 1, gateway_extra: list[str] = (),
-                everyone: list[str] = (), tls=None, prefill_workers: int = 1) -> Stack:
+def start_stack(
+    extra: list[str] = (),
+    dtype: str = "float32",
+    threads: int = 1,
+    decode_extra: list[str] = (),
+    observe: list[str] = (),
+    env: dict | None = None,
+    log_dir: Path | None = None,
+    colocated: bool = False,
+    decode_workers: int = 1,
+    gateway_extra: list[str] = (),
+    everyone: list[str] = (),
+    tls=None,
+    prefill_workers: int = 1,
+) -> Stack:
     """Prefill, decode (`decode_workers` of them) and gateway on free ports; `observe` goes to all of them
     (e.g. --otlp-endpoint), and so does `everyone` (e.g. TLS flags; pass the test's own `tls` for its
     channels). With `log_dir`, each service's stderr goes to `<role>.log` there."""
@@ -137,9 +156,14 @@ def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1,
     p_ports = [free_port() for _ in range(0 if colocated else prefill_workers)]
     d_ports = [free_port() for _ in range(decode_workers)]
     metric_ports = {role: free_port() for role in ("prefill", "decode", "gateway")}
-    stack = Stack(f"127.0.0.1:{g_port}", [f"127.0.0.1:{p}" for p in p_ports], [f"127.0.0.1:{p}" for p in d_ports],
-                  metrics={role: f"http://127.0.0.1:{port}/metrics" for role, port in metric_ports.items()}, tls=tls,
-                  http=f"{'https' if tls is not None else 'http'}://127.0.0.1:{h_port}")
+    stack = Stack(
+        f"127.0.0.1:{g_port}",
+        [f"127.0.0.1:{p}" for p in p_ports],
+        [f"127.0.0.1:{p}" for p in d_ports],
+        metrics={role: f"http://127.0.0.1:{port}/metrics" for role, port in metric_ports.items()},
+        tls=tls,
+        http=f"{'https' if tls is not None else 'http'}://127.0.0.1:{h_port}",
+    )
     common = ["--dtype", dtype, "--threads", str(threads), "--kv-cache-memory", "128M", *extra]
 
     def spawn(role: str, args: list[str], metrics_port: int, log_name: str) -> None:
@@ -152,16 +176,38 @@ def start_stack(extra: list[str] = (), dtype: str = "float32", threads: int = 1,
 
     try:
         for i, port in enumerate(p_ports):
-            spawn("prefill", ["--port", str(port), *common], metric_ports["prefill"] if i == 0 else free_port(),
-                  "prefill" if i == 0 else f"prefill{i}")
+            spawn(
+                "prefill",
+                ["--port", str(port), *common],
+                metric_ports["prefill"] if i == 0 else free_port(),
+                "prefill" if i == 0 else f"prefill{i}",
+            )
         for i, port in enumerate(d_ports):
             metrics = metric_ports["decode"] if i == 0 else free_port()
             # every prompt crosses the KV path unless a test asks for conditional disaggregation
             remote = [] if colocated else ["--local-prefill-max-tokens", "0"]
-            spawn("colocated" if colocated else "decode", ["--port", str(port), *common, *remote, *decode_extra], metrics,
-                  "decode" if i == 0 else f"decode{i}")
-        spawn("gateway", ["--port", str(g_port), "--http-port", str(h_port), "--prefill", ",".join(stack.prefill),
-                          "--decode", ",".join(stack.decode), *gateway_extra], metric_ports["gateway"], "gateway")
+            spawn(
+                "colocated" if colocated else "decode",
+                ["--port", str(port), *common, *remote, *decode_extra],
+                metrics,
+                "decode" if i == 0 else f"decode{i}",
+            )
+        spawn(
+            "gateway",
+            [
+                "--port",
+                str(g_port),
+                "--http-port",
+                str(h_port),
+                "--prefill",
+                ",".join(stack.prefill),
+                "--decode",
+                ",".join(stack.decode),
+                *gateway_extra,
+            ],
+            metric_ports["gateway"],
+            "gateway",
+        )
         for addr, proc in zip([*stack.prefill, *stack.decode, stack.gateway], stack.procs):
             wait_serving(addr, proc, tls=tls)
     except BaseException:

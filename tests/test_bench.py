@@ -17,8 +17,11 @@ def req(ttft, latency, output_len, itl=None, prompt_len=10, success=True):
 
 
 def test_throughputs_and_latency_definitions():
-    results = [req(0.1, 1.0, 10, [0.1] * 9), req(0.3, 2.1, 19, [0.1] * 18, prompt_len=20),
-               req(0.0, 0.0, 0, success=False)]
+    results = [
+        req(0.1, 1.0, 10, [0.1] * 9),
+        req(0.3, 2.1, 19, [0.1] * 18, prompt_len=20),
+        req(0.0, 0.0, 0, success=False),
+    ]
     m = compute_metrics(results, duration_s=4.0, percentiles=[50, 99])
     assert (m.completed, m.failed) == (2, 1)
     assert m.total_input_tokens == 30 and m.total_output_tokens == 29
@@ -48,10 +51,12 @@ def test_percentiles_interpolate_like_numpy():
 
 
 def test_goodput_counts_requests_meeting_every_slo():
-    results = [req(0.1, 1.0, 11),    # ttft 100 ms, tpot 90 ms
-               req(0.6, 1.1, 11),    # ttft too slow
-               req(0.1, 3.1, 11),    # tpot 300 ms too slow
-               req(0.2, 0.2, 1)]     # one token: no tpot, ttft ok
+    results = [
+        req(0.1, 1.0, 11),  # ttft 100 ms, tpot 90 ms
+        req(0.6, 1.1, 11),  # ttft too slow
+        req(0.1, 3.1, 11),  # tpot 300 ms too slow
+        req(0.2, 0.2, 1),
+    ]  # one token: no tpot, ttft ok
     slos = parse_goodput(["ttft:500", "tpot:100"])
     m = compute_metrics(results, 2.0, slos=slos)
     assert m.request_goodput == pytest.approx(2 / 2.0)
@@ -64,8 +69,15 @@ def test_goodput_counts_requests_meeting_every_slo():
 
 def test_table_has_vllm_rows():
     text = format_table(compute_metrics([req(0.1, 1.0, 10, [0.1] * 9)], 1.0, [50, 99], parse_goodput(["ttft:1"])))
-    for row in ("Successful requests:", "Request goodput (req/s):", "Output token throughput (tok/s):",
-                "Mean TTFT (ms):", "P99 TPOT (ms):", "Median ITL (ms):", "P50 E2EL (ms):"):
+    for row in (
+        "Successful requests:",
+        "Request goodput (req/s):",
+        "Output token throughput (tok/s):",
+        "Mean TTFT (ms):",
+        "P99 TPOT (ms):",
+        "Median ITL (ms):",
+        "P50 E2EL (ms):",
+    ):
         assert row in text
 
 
@@ -81,8 +93,7 @@ def test_prompts_are_exact_shared_and_reproducible():
 
 
 def test_sse_events_split_across_reads():
-    stream = (b'data: {"choices": [{"text": "a"}]}\n\n'
-              b'data: {"choices": [{"text": "b"}], "usage": null}\n\ndata: {"choi')
+    stream = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}], "usage": null}\n\ndata: {"choi'
     events, rest = parse_sse(stream)
     assert [e["choices"][0]["text"] for e in events] == ["a", "b"]
     events, rest = parse_sse(rest + b'ces": [], "usage": {"completion_tokens": 2}}\n\ndata: [DONE]\n\n')
@@ -104,8 +115,9 @@ async def test_concurrency_cap_and_order():
     results, duration, seen = await run_load(send, reqs, max_concurrency=3, request_rate=float("inf"), seed=0)
     assert peak == seen == 3
     assert [r.prompt_len for r in results] == list(range(1, 13))
-    results, _, _ = await run_load(send, reqs[:4], max_concurrency=None, request_rate=200.0, seed=0,
-                                   warmups=[BenchRequest([1], 1)])
+    results, _, _ = await run_load(
+        send, reqs[:4], max_concurrency=None, request_rate=200.0, seed=0, warmups=[BenchRequest([1], 1)]
+    )
     assert len(results) == 4
 
 
@@ -119,9 +131,30 @@ async def test_bench_against_a_live_stack(observed_stack, tmp_path):
     p = argparse.ArgumentParser()
     add_arguments(p)
     out = tmp_path / "runs.jsonl"
-    args = p.parse_args(["--address", stack.gateway, "--num-requests", "6", "--max-concurrency", "3",
-                         "--input-len", "12,40", "--output-len", "5", "--num-warmups", "1", "--label", "smoke",
-                         "--goodput", "ttft:60000", "--result-json", str(out), "--vocab-range", "1000,40000"])
+    args = p.parse_args(
+        [
+            "--address",
+            stack.gateway,
+            "--num-requests",
+            "6",
+            "--max-concurrency",
+            "3",
+            "--input-len",
+            "12,40",
+            "--output-len",
+            "5",
+            "--num-warmups",
+            "1",
+            "--label",
+            "smoke",
+            "--goodput",
+            "ttft:60000",
+            "--result-json",
+            str(out),
+            "--vocab-range",
+            "1000,40000",
+        ]
+    )
     record = await bench(args)
     assert record["completed"] == 6 and record["failed"] == 0
     assert record["total_output_tokens"] == 30
@@ -141,9 +174,26 @@ async def test_bench_openai_backend_against_pdserve_http_api(observed_stack):
     stack, _, _ = observed_stack
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--backend", "openai", "--base-url", stack.http, "--num-requests", "4",
-                         "--max-concurrency", "2", "--input-len", "20", "--output-len", "6", "--num-warmups", "0",
-                         "--vocab-range", "1000,40000"])
+    args = p.parse_args(
+        [
+            "--backend",
+            "openai",
+            "--base-url",
+            stack.http,
+            "--num-requests",
+            "4",
+            "--max-concurrency",
+            "2",
+            "--input-len",
+            "20",
+            "--output-len",
+            "6",
+            "--num-warmups",
+            "0",
+            "--vocab-range",
+            "1000,40000",
+        ]
+    )
     record = await bench(args)
     assert record["completed"] == 4 and record["failed"] == 0
     assert record["total_output_tokens"] == 24

@@ -53,13 +53,16 @@ def test_version():
     assert proc.returncode == 0 and proc.stdout.startswith("pdserve ")
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["up", "--model", "/nonexistent"], "/nonexistent"),
-    (["up", "--kv-cache-memory", "1K"], "kv_cache_memory"),
-    (["decode", "--kv-cache-memory", "1K"], "kv_cache_memory"),
-    (["up", "--kv-cache-memory", "lots"], "not a size"),
-    (["gateway", "--decode", ""], "--decode"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["up", "--model", "/nonexistent"], "/nonexistent"),
+        (["up", "--kv-cache-memory", "1K"], "kv_cache_memory"),
+        (["decode", "--kv-cache-memory", "1K"], "kv_cache_memory"),
+        (["up", "--kv-cache-memory", "lots"], "not a size"),
+        (["gateway", "--decode", ""], "--decode"),
+    ],
+)
 def test_bad_configuration_is_one_line_before_anything_starts(argv, needle):
     proc = run(*argv)
     if "not a size" in needle:  # argparse's own usage error: exit 2, usage plus one error line
@@ -77,12 +80,34 @@ def test_client_commands_without_a_stack_say_what_to_do():
 
 def test_a_second_server_on_a_busy_port_fails_in_one_line():
     port = free_port()
-    first = subprocess.Popen([*PDSERVE, "gateway", "--port", str(port), "--decode", f"127.0.0.1:{free_port()}",
-                              "--ready-timeout", "0", "--metrics-port", "-1"], env=service_env())
+    first = subprocess.Popen(
+        [
+            *PDSERVE,
+            "gateway",
+            "--port",
+            str(port),
+            "--decode",
+            f"127.0.0.1:{free_port()}",
+            "--ready-timeout",
+            "0",
+            "--metrics-port",
+            "-1",
+        ],
+        env=service_env(),
+    )
     try:
         wait_serving(f"127.0.0.1:{port}", first)
-        second = run("gateway", "--port", str(port), "--decode", f"127.0.0.1:{free_port()}", "--ready-timeout", "0",
-                     "--metrics-port", "-1")
+        second = run(
+            "gateway",
+            "--port",
+            str(port),
+            "--decode",
+            f"127.0.0.1:{free_port()}",
+            "--ready-timeout",
+            "0",
+            "--metrics-port",
+            "-1",
+        )
         assert_one_line_error(second, f"127.0.0.1:{port}")
         with socket.socket() as s:  # the port still belongs to the first server alone
             assert s.connect_ex(("127.0.0.1", port)) == 0
@@ -109,8 +134,22 @@ def test_decode_on_a_busy_kv_port_fails_naming_it(transport):
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = run("--log-level", "ERROR", "decode", "--port", str(free_port()), "--metrics-port", "-1",
-                   "--kv-transport", transport, "--kv-port", str(port), "--kv-cache-memory", "64M", timeout=300)
+        proc = run(
+            "--log-level",
+            "ERROR",
+            "decode",
+            "--port",
+            str(free_port()),
+            "--metrics-port",
+            "-1",
+            "--kv-transport",
+            transport,
+            "--kv-port",
+            str(port),
+            "--kv-cache-memory",
+            "64M",
+            timeout=300,
+        )
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert lines[-1].startswith("pdserve decode: error:") and str(port) in lines[-1], proc.stderr[-3000:]
@@ -120,8 +159,23 @@ def test_decode_on_a_busy_kv_port_fails_naming_it(transport):
 def test_up_answers_a_prompt_and_stops_cleanly():
     """What README's `make run` does, on free ports: the stack starts, answers, and every process exits."""
     ports = [str(free_port()) for _ in range(3)]
-    proc = run("--log-level", "WARNING", "up", "--port", ports[0], "--metrics-port", "-1", "--prefill-port", ports[1],
-               "--decode-port", ports[2], "--prompt", "Say hello.", "--exit-after-prompt", timeout=300)
+    proc = run(
+        "--log-level",
+        "WARNING",
+        "up",
+        "--port",
+        ports[0],
+        "--metrics-port",
+        "-1",
+        "--prefill-port",
+        ports[1],
+        "--decode-port",
+        ports[2],
+        "--prompt",
+        "Say hello.",
+        "--exit-after-prompt",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pdserve is up" in proc.stdout
     answer = proc.stdout.split("pdserve is up", 1)[1].split("\n", 1)[1]
@@ -137,8 +191,9 @@ def _children(pid: int) -> list[int]:
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
     while True:
-        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
-                 "zombie" not in open(f"/proc/{p}/status").read().lower()]
+        alive = [
+            p for p in pids if os.path.exists(f"/proc/{p}") and "zombie" not in open(f"/proc/{p}/status").read().lower()
+        ]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
@@ -146,10 +201,28 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 def _start_up(*extra: str) -> tuple[subprocess.Popen, dict[str, int]]:
     ports = {"gateway": free_port(), "prefill": free_port(2), "decode": free_port(2)}
-    proc = subprocess.Popen([*PDSERVE, "--log-level", "WARNING", "up", "--port", str(ports["gateway"]),
-                             "--prefill-port", str(ports["prefill"]), "--decode-port", str(ports["decode"]),
-                             "--kv-cache-memory", "128M", "--metrics-port", "-1", *extra],
-                            env=service_env(), stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            *PDSERVE,
+            "--log-level",
+            "WARNING",
+            "up",
+            "--port",
+            str(ports["gateway"]),
+            "--prefill-port",
+            str(ports["prefill"]),
+            "--decode-port",
+            str(ports["decode"]),
+            "--kv-cache-memory",
+            "128M",
+            "--metrics-port",
+            "-1",
+            *extra,
+        ],
+        env=service_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stdout:
         if line.startswith("serving"):
             break
@@ -165,13 +238,20 @@ def test_up_with_two_workers_per_role_spreads_requests():
     proc, ports = _start_up("--prefill-workers", "2", "--decode-workers", "2", "--local-prefill-max-tokens", "0")
     try:
         p0, d0 = ports["prefill"], ports["decode"]
-        stack = Stack(f"127.0.0.1:{ports['gateway']}", [f"127.0.0.1:{p0}", f"127.0.0.1:{p0 + 1}"],
-                      [f"127.0.0.1:{d0}", f"127.0.0.1:{d0 + 1}"])
+        stack = Stack(
+            f"127.0.0.1:{ports['gateway']}",
+            [f"127.0.0.1:{p0}", f"127.0.0.1:{p0 + 1}"],
+            [f"127.0.0.1:{d0}", f"127.0.0.1:{d0 + 1}"],
+        )
 
         async def requests():
             async with Client(stack.gateway) as client:
-                return await asyncio.gather(*(client.complete(prompt=f"Tell me about number {i}", max_tokens=8,
-                                                              temperature=0.0) for i in range(12)))
+                return await asyncio.gather(
+                    *(
+                        client.complete(prompt=f"Tell me about number {i}", max_tokens=8, temperature=0.0)
+                        for i in range(12)
+                    )
+                )
 
         assert len(asyncio.run(requests())) == 12
         assert all(stack.stats(a, "decode").requests_total > 0 for a in stack.decode)
@@ -202,9 +282,29 @@ def test_up_with_tls_and_an_api_key_answers_a_prompt(tmp_path):
 
     pki = make_pki(tmp_path, ["service"])
     ports = [str(free_port()) for _ in range(3)]
-    proc = run("--log-level", "WARNING", "up", "--colocated", "--port", ports[0], "--decode-port", ports[2],
-               "--metrics-port", "-1", "--tls-cert", pki["service"][0], "--tls-key", pki["service"][1],
-               "--tls-ca", pki["ca"][0], "--api-key", "sesame", "--prompt", "Say hello.", "--exit-after-prompt",
-               timeout=300)
+    proc = run(
+        "--log-level",
+        "WARNING",
+        "up",
+        "--colocated",
+        "--port",
+        ports[0],
+        "--decode-port",
+        ports[2],
+        "--metrics-port",
+        "-1",
+        "--tls-cert",
+        pki["service"][0],
+        "--tls-key",
+        pki["service"][1],
+        "--tls-ca",
+        pki["ca"][0],
+        "--api-key",
+        "sesame",
+        "--prompt",
+        "Say hello.",
+        "--exit-after-prompt",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("pdserve is up", 1)[1].split("\n", 1)[1].strip()

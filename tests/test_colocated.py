@@ -28,8 +28,9 @@ async def test_colocated_greedy_matches_transformers(stack, model_dir):
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     prompts = [list(range(300, 300 + n)) for n in (3, 17, 70, 150)]  # 150 > the 64-token budget: chunked
     async with Client(stack.gateway) as client:
-        results = await asyncio.gather(*(client.complete(prompt_token_ids=p, max_tokens=12, temperature=0.0)
-                                         for p in prompts))
+        results = await asyncio.gather(
+            *(client.complete(prompt_token_ids=p, max_tokens=12, temperature=0.0) for p in prompts)
+        )
     for p, got in zip(prompts, results):
         want = hf_greedy(hf, p, 12)
         want = want[: want.index(EOS) + 1] if EOS in want else want

@@ -19,8 +19,9 @@ def kernel(request, tmp_path_factory) -> cpu_paged_attention.CpuPagedAttention:
     return built
 
 
-def _case(b: int, heads: int, kv_heads: int, dim: int, block_size: int, lens: list[int], dtype: torch.dtype,
-          seed: int = 0):
+def _case(
+    b: int, heads: int, kv_heads: int, dim: int, block_size: int, lens: list[int], dtype: torch.dtype, seed: int = 0
+):
     gen = torch.Generator().manual_seed(seed)
     n_blocks = max(-(-n // block_size) for n in lens)
     pool = b * (n_blocks + 2) + 3
@@ -38,7 +39,7 @@ def test_kernel_matches_gather_and_sdpa(kernel, dtype, tol, heads, kv_heads, dim
     heads: the same output as gathering the blocks and running SDPA (both compared with an fp32 computation)."""
     lens = [1, block_size - 3, block_size, 5 * block_size + 7, 200]
     q, k, v, tables, lens_t, n_blocks = _case(len(lens), heads, kv_heads, dim, block_size, lens, dtype)
-    scale = dim ** -0.5
+    scale = dim**-0.5
     got = kernel.decode(q, k, v, tables[:, :n_blocks], lens_t, max(lens), scale)
     mask = decode_mask(lens_t, n_blocks * block_size)
     exact = decode_attention(q.float(), k.float(), v.float(), tables[:, :n_blocks], mask, scale)
@@ -127,8 +128,16 @@ def test_engine_greedy_with_the_kernel_equals_the_torch_backend(tiny_model_dir, 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = {}
     for backend in ("torch", "cpu"):
-        engine = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype=dtype, block_size=16, num_blocks=64,
-                                        max_num_batched_tokens=48, attention_backend=backend))
+        engine = EngineCore(
+            EngineConfig(
+                model=str(tiny_model_dir),
+                dtype=dtype,
+                block_size=16,
+                num_blocks=64,
+                max_num_batched_tokens=48,
+                attention_backend=backend,
+            )
+        )
         assert engine.runner.backend.name == backend
         outputs[backend] = engine.generate(prompts, params)
     assert outputs["cpu"] == outputs["torch"]

@@ -55,10 +55,10 @@ def test_rope_is_bit_exact_and_in_place(ops, rows):
     view = qkv[:, : (heads + kv_heads) * dim].view(rows, heads + kv_heads, dim)
     cos, sin = rope_for_positions(rope_cache(dim, 4096, 100000.0), torch.randint(0, 4096, (rows,)), torch.bfloat16)
     want = apply_rope(view, cos, sin)
-    v_before = qkv[:, (heads + kv_heads) * dim:].clone()
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
     got = ops.apply_rope(view, cos, sin)
     assert got.data_ptr() == view.data_ptr() and torch.equal(got, want)
-    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], v_before)  # the V part is untouched
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)  # the V part is untouched
 
 
 def test_other_dtypes_and_layouts_take_the_torch_ops(ops):
@@ -80,8 +80,16 @@ def test_engine_greedy_tokens_with_and_without_the_kernels(tiny_model_dir):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = {}
     for fused in (False, True):
-        engine = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", block_size=16, num_blocks=64,
-                                         max_num_batched_tokens=64, fused_elementwise=fused))
+        engine = EngineCore(
+            EngineConfig(
+                model=str(tiny_model_dir),
+                dtype="bfloat16",
+                block_size=16,
+                num_blocks=64,
+                max_num_batched_tokens=64,
+                fused_elementwise=fused,
+            )
+        )
         norm_op = engine.runner.model.model.norm.op
         assert isinstance(getattr(norm_op, "__self__", None), cpu_elementwise.CpuElementwise) == fused
         outputs[fused] = engine.generate(prompts, params)

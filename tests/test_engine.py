@@ -120,20 +120,25 @@ def test_stops_on_eos_and_stop_ids(tiny_model_dir, tmp_path):
     assert run(SamplingParams(max_tokens=24, temperature=0.0)) == (free[: free.index(eos) + 1], "stop")
     assert run(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) == (free, "length")
     assert run(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_at,))) == (
-        free[: free.index(stop_at) + 1], "stop")
+        free[: free.index(stop_at) + 1],
+        "stop",
+    )
     held, _ = run(SamplingParams(max_tokens=24, temperature=0.0, min_tokens=free.index(eos) + 2))
     assert len(held) > free.index(eos) + 1  # EOS is not allowed before min_tokens
     assert run(SamplingParams(max_tokens=2, temperature=0.0)) == (free[:2], "length")
     assert engine.allocator.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("prompt,params,match", [
-    ([], GREEDY, "empty"),
-    ([1, 999], GREEDY, "token ids"),
-    (list(range(3, 200)) * 3, GREEDY, "context"),
-    ([5], SamplingParams(temperature=-1), "temperature"),
-    ([5], SamplingParams(top_p=0), "top_p"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ([], GREEDY, "empty"),
+        ([1, 999], GREEDY, "token ids"),
+        (list(range(3, 200)) * 3, GREEDY, "context"),
+        ([5], SamplingParams(temperature=-1), "temperature"),
+        ([5], SamplingParams(top_p=0), "top_p"),
+    ],
+)
 def test_rejects_bad_requests(tiny_model_dir, prompt, params, match):
     engine = _engine(tiny_model_dir, num_blocks=64, block_size=4)
     with pytest.raises(ValueError, match=match):

@@ -16,8 +16,9 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def _loop(tiny_model_dir, **hooks) -> EngineLoop:
-    return EngineLoop(lambda: EngineCore(EngineConfig(model=str(tiny_model_dir), num_blocks=64, block_size=4)),
-                      "test", **hooks)
+    return EngineLoop(
+        lambda: EngineCore(EngineConfig(model=str(tiny_model_dir), num_blocks=64, block_size=4)), "test", **hooks
+    )
 
 
 async def _collect(queue: asyncio.Queue) -> list:
@@ -108,8 +109,11 @@ async def test_each_forward_runs_with_the_threads_step_threads_names(tiny_model_
         asked.append(next(wanted, 1))
         return asked[-1]
 
-    loop = _loop(tiny_model_dir, step_threads=step_threads,
-                 layer_hooks=lambda batch: lambda layer: seen.append(torch.get_num_threads()) if layer == 0 else None)
+    loop = _loop(
+        tiny_model_dir,
+        step_threads=step_threads,
+        layer_hooks=lambda batch: lambda layer: seen.append(torch.get_num_threads()) if layer == 0 else None,
+    )
     loop.start()
     try:
         queue: asyncio.Queue = asyncio.Queue()

@@ -24,15 +24,18 @@ async def _load(gateway: str, n: int, concurrency: int, seed: int) -> list:
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency)
     async with Client(gateway) as client:
+
         async def one(i: int):
             async with limit:
                 words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(rng.randrange(5, 60)))
                 try:
-                    return await asyncio.wait_for(client.complete(prompt=f"{i}: {words}", max_tokens=32,
-                                                                  ignore_eos=True, temperature=0.0), REQUEST_BOUND)
+                    return await asyncio.wait_for(
+                        client.complete(prompt=f"{i}: {words}", max_tokens=32, ignore_eos=True, temperature=0.0),
+                        REQUEST_BOUND,
+                    )
                 except grpc.aio.AioRpcError as e:
                     return e
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     return "lost"
 
         return await asyncio.gather(*(one(i) for i in range(n)))

@@ -20,8 +20,14 @@ pytestmark = pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     env = {**service_env(), "DEVICE": "cpu", "QUICK": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
     env.pop("TRITON_INTERPRET", None)  # the script's own pytest run decides, as on the GPU machine
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1700)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1700,
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     failed = [s for s in summary["steps"] if not s["ok"]]
     assert proc.returncode == 0 and summary["ok"], (failed, proc.stdout[-3000:], proc.stderr[-3000:])

@@ -18,11 +18,68 @@ def test_dependencies_resolve_on_plain_pypi(tmp_path):
     resolution a new user gets: torch 2.13.0 from PyPI is the CUDA 13 build, and every CUDA-flavoured dependency
     must agree with it."""
     report = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed",
-                           "--quiet", "--report", str(report), "torch==2.13.0", "-e", f"{ROOT}[test]"],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--isolated",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            "torch==2.13.0",
+            "-e",
+            f"{ROOT}[test]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    names = {item["metadata"]["name"].lower(): item["metadata"]["version"]
-             for item in json.loads(report.read_text())["install"]}
+    names = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
     assert names["torch"] == "2.13.0"
     assert "ucxx-cu13" in names and not any(n.endswith("-cu12") for n in names), sorted(names)
+
+
+def test_the_wheel_installs_only_the_pdserve_namespace(tmp_path):
+    """site-packages gains `pdserve` and nothing else: no top-level `engine`, `cli`, `gateway`, ... to collide with
+    other packages; the folders install as pdserve.<folder>, with the kernels' C sources and the .proto files."""
+    import zipfile
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("pdserve-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"pdserve"}, top
+    for path in (
+        "pdserve/engine/engine_core.py",
+        "pdserve/cli/main.py",
+        "pdserve/kernels/cpu_paged_attention.c",
+        "pdserve/kernels/cpu_math.h",
+        "pdserve/protos/worker.proto",
+        "pdserve/benchmarks/load_gen.py",
+    ):
+        assert path in names, path

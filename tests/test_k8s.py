@@ -25,8 +25,13 @@ pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl
 
 
 def render(overlay: str) -> list[dict]:
-    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -100,7 +105,9 @@ def test_roles_are_wired_as_the_cli_runs_them(overlay):
                 assert role == "gateway" and kind == "livenessProbe" and probe["tcpSocket"]["port"] == "grpc"
         start = c["startupProbe"]
         assert start["periodSeconds"] * start["failureThreshold"] >= 300, "model load needs minutes of start-up"
-        assert {"cpu", "memory"} <= set(c["resources"]["requests"]) and {"cpu", "memory"} <= set(c["resources"]["limits"])
+        assert {"cpu", "memory"} <= set(c["resources"]["requests"]) and {"cpu", "memory"} <= set(
+            c["resources"]["limits"]
+        )
         pod_sec, sec = pod["spec"]["securityContext"], c["securityContext"]
         assert pod_sec["runAsNonRoot"] and pod_sec["runAsUser"] != 0
         assert sec["readOnlyRootFilesystem"] and sec["allowPrivilegeEscalation"] is False

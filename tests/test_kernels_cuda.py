@@ -8,8 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 needs_flash = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="needs flash-attn")
@@ -22,6 +21,8 @@ def test_kernels_run_compiled_not_interpreted():
     import os
 
     assert os.environ.get("TRITON_INTERPRET") != "1"
+
+
 TOL = dict(atol=2e-2, rtol=2e-2)
 
 
@@ -33,7 +34,7 @@ def _cache(lengths, block_size, kv_heads, dim, dtype, seed=0):
     table = torch.zeros(len(lengths), max(need), dtype=torch.int32)
     at = 0
     for i, n in enumerate(need):
-        table[i, :n] = perm[at:at + n].int()
+        table[i, :n] = perm[at : at + n].int()
         at += n
     return layer.cuda(), table.cuda()
 
@@ -49,10 +50,10 @@ def test_paged_decode_kernel(dtype, block_size, heads, kv_heads, dim):
     lengths = [1, 15, 16, 17, 300, 1000]
     layer, table = _cache(lengths, block_size, kv_heads, dim, dtype)
     q = torch.randn(len(lengths), heads, dim, device="cuda", dtype=dtype)
-    got = paged_decode_attention(q, layer[0], layer[1], table, torch.tensor(lengths, dtype=torch.int32,
-                                                                                device="cuda"), dim ** -0.5)
-    want = paged_attention(q.float(), layer.float(), list(range(len(lengths) + 1)), lengths, table.long(),
-                           dim ** -0.5)
+    got = paged_decode_attention(
+        q, layer[0], layer[1], table, torch.tensor(lengths, dtype=torch.int32, device="cuda"), dim**-0.5
+    )
+    want = paged_attention(q.float(), layer.float(), list(range(len(lengths) + 1)), lengths, table.long(), dim**-0.5)
     torch.testing.assert_close(got.float(), want, **TOL)
 
 
@@ -60,7 +61,8 @@ def test_paged_decode_kernel(dtype, block_size, heads, kv_heads, dim):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pack_unpack(dtype):
     from pdserve.kernels.cache_ops import pack_blocks
-    from pdserve.kernels.triton_kv_blocks import pack_blocks as tpack, unpack_blocks as tunpack
+    from pdserve.kernels.triton_kv_blocks import pack_blocks as tpack
+    from pdserve.kernels.triton_kv_blocks import unpack_blocks as tunpack
 
     layer = torch.randn(2, 64, 16, 8, 128, device="cuda", dtype=dtype)
     ids = torch.randperm(64, device="cuda")[:20]
@@ -78,14 +80,19 @@ def _mixed_meta(lengths_q, lengths_k, block_size, kv_heads, dim, dtype):
     qsl = [0]
     for n in lengths_q:
         qsl.append(qsl[-1] + n)
-    slots = torch.cat([table[i, (torch.arange(lk - lq, lk, device="cuda") // block_size)] * block_size
-                       + torch.arange(lk - lq, lk, device="cuda") % block_size
-                       for i, (lq, lk) in enumerate(zip(lengths_q, lengths_k))]).long()
+    slots = torch.cat(
+        [
+            table[i, (torch.arange(lk - lq, lk, device="cuda") // block_size)] * block_size
+            + torch.arange(lk - lq, lk, device="cuda") % block_size
+            for i, (lq, lk) in enumerate(zip(lengths_q, lengths_k))
+        ]
+    ).long()
     return layer, AttentionMetadata(slots, qsl, list(lengths_k), table.long())
 
 
-@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_triton),
-                                     pytest.param("flash-attn", marks=needs_flash)])
+@pytest.mark.parametrize(
+    "backend", [pytest.param("triton", marks=needs_triton), pytest.param("flash-attn", marks=needs_flash)]
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_backend_mixed_batch_matches_torch(backend, dtype):
     from pdserve.engine.attention import TorchAttention, select_backend
@@ -105,13 +112,13 @@ def test_backend_mixed_batch_matches_torch(backend, dtype):
     decode_only = _mixed_meta([1, 1, 1], [700, 5, 812], block_size, 4, 64, dtype)
     q1, k1, v1 = q[:3].contiguous(), k[:3].contiguous(), v[:3].contiguous()
     want1 = TorchAttention()(q1, k1, v1, decode_only[0].clone(), decode_only[1], 0.125)
-    got1 = select_backend(backend, torch.device("cuda"), block_size)(q1, k1, v1, decode_only[0], decode_only[1],
-                                                                      0.125)
+    got1 = select_backend(backend, torch.device("cuda"), block_size)(q1, k1, v1, decode_only[0], decode_only[1], 0.125)
     torch.testing.assert_close(got1, want1, **TOL)
 
 
-@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_triton),
-                                     pytest.param("flash-attn", marks=needs_flash)])
+@pytest.mark.parametrize(
+    "backend", [pytest.param("triton", marks=needs_triton), pytest.param("flash-attn", marks=needs_flash)]
+)
 def test_engine_greedy_per_backend_equals_torch_backend(model_dir, backend):
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine_core import EngineCore
@@ -122,8 +129,16 @@ def test_engine_greedy_per_backend_equals_torch_backend(model_dir, backend):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     out = {}
     for name in ("torch", backend):
-        engine = EngineCore(EngineConfig(model=str(model_dir), dtype="float32", device="cuda", block_size=block_size,
-                                        kv_cache_memory=512 << 20, attention_backend=name))
+        engine = EngineCore(
+            EngineConfig(
+                model=str(model_dir),
+                dtype="float32",
+                device="cuda",
+                block_size=block_size,
+                kv_cache_memory=512 << 20,
+                attention_backend=name,
+            )
+        )
         assert engine.runner.backend.name == name
         out[name] = engine.generate(prompts, params)
     assert out[backend] == out["torch"]

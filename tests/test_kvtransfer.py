@@ -104,8 +104,16 @@ JOBS = [  # (request id, source blocks in the sender, destination blocks in the 
 
 
 @TRANSPORTS
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
-    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+        ),
+    ],
+)
 def test_blocks_arrive_bit_exact_with_several_requests_in_flight(transport, device, env_loopback):
     """Contiguous and scattered blocks, several requests at once; with CUDA, both caches in device memory."""
     layout = {**LAYOUT, "device": device}
@@ -168,8 +176,17 @@ def test_killed_sender_fails_only_its_request_and_receiver_serves_next(transport
     stalled = ok = None
     try:
         recv.pipe.send(("expect", "victim", list(range(0, 6)), None))
-        stalled = Peer(sender_main, transport, LAYOUT, SEND_BLOCKS, address, [("victim", list(range(6)),
-                       list(range(6)))], 7, WAIT, 2)
+        stalled = Peer(
+            sender_main,
+            transport,
+            LAYOUT,
+            SEND_BLOCKS,
+            address,
+            [("victim", list(range(6)), list(range(6)))],
+            7,
+            WAIT,
+            2,
+        )
         stalled.expect("stalled")
         _wait_landed(recv, "victim", 2)  # the receiver holds part of the request: it knows who was feeding it
         os.kill(stalled.proc.pid, signal.SIGKILL)
@@ -254,8 +271,9 @@ def test_wrong_secret_writes_nothing_and_closes_only_that_connection(transport, 
     intruder = honest = None
     try:
         recv.pipe.send(("expect", "t", [3, 4], None))
-        intruder = Peer(sender_main, transport, LAYOUT, SEND_BLOCKS, address, [("t", [1, 2], [3, 4])], 5, WAIT,
-                        None, "a-guess")
+        intruder = Peer(
+            sender_main, transport, LAYOUT, SEND_BLOCKS, address, [("t", [1, 2], [3, 4])], 5, WAIT, None, "a-guess"
+        )
         failed = intruder.expect("send_failed")
         assert failed[1] == "t"
         recv.pipe.send(("read", [3, 4]))

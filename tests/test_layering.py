@@ -11,8 +11,18 @@ ROOT = Path(__file__).resolve().parent.parent
 # layer -> the layers it may import (itself included). "core" is the pdserve package's own modules (client, wire,
 # tracing, grpc_server, ...): what every service and client shares.
 ALLOWED = {
-    "cli": {"cli", "gateway", "prefill_service", "decode_service", "benchmarks", "core", "engine", "kvtransfer",
-            "kernels", "protos"},
+    "cli": {
+        "cli",
+        "gateway",
+        "prefill_service",
+        "decode_service",
+        "benchmarks",
+        "core",
+        "engine",
+        "kvtransfer",
+        "kernels",
+        "protos",
+    },
     "benchmarks": {"benchmarks", "core", "engine", "kvtransfer", "kernels", "protos"},
     "gateway": {"gateway", "core", "protos", "kernels"},  # kernels: the block hash the workers name blocks by
     "prefill_service": {"prefill_service", "core", "engine", "kvtransfer", "kernels", "protos"},
@@ -77,8 +87,7 @@ def test_imports_only_run_downward() -> None:
 def test_no_import_cycle() -> None:
     """Among module-level imports (what runs at import time): a cycle makes import order matter."""
     sources = _sources()
-    graph = {m: {i for i in _imports(p, module_level_only=True) if i in sources and i != m}
-             for m, p in sources.items()}
+    graph = {m: {i for i in _imports(p, module_level_only=True) if i in sources and i != m} for m, p in sources.items()}
     state: dict[str, int] = {}
     cycles: list[str] = []
 
@@ -86,8 +95,9 @@ def test_no_import_cycle() -> None:
         state[module] = 1
         for dep in sorted(graph[module]):
             if state.get(dep) == 1:
-                cycles.append(" -> ".join(stack[stack.index(dep):] + [module, dep]) if dep in stack
-                              else f"{module} -> {dep}")
+                cycles.append(
+                    " -> ".join(stack[stack.index(dep) :] + [module, dep]) if dep in stack else f"{module} -> {dep}"
+                )
             elif dep not in state:
                 visit(dep, [*stack, module])
         state[module] = 2

@@ -1,4 +1,5 @@
-"""The default model (SmolLM2-135M-Instruct, fp32) through the paged engine against `transformers` on the same weights."""
+"""The default model (SmolLM2-135M-Instruct, fp32) through the paged engine against `transformers` on the same
+weights."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ TEXTS = [
     "Hi",
     "The capital of France is",
     "Write a short poem about the ocean and the moon.",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "List three reasons why the sky is blue, and explain each in one sentence.",
     "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker who",
     "Translate to French: The weather is nice today and I would like to go for a walk in the park with my dog.",
@@ -36,8 +37,10 @@ def test_logits_match_transformers(model_dir, hf_model, prompts):
     """One forward over three prompts of different lengths in a single flat batch."""
     engine = EngineCore(EngineConfig(model=str(model_dir), num_blocks=64))
     chosen = prompts[:3]
-    seqs = [Sequence(str(i), p, SamplingParams(), block_ids=engine.allocator.allocate(-(-len(p) // 16)))
-            for i, p in enumerate(chosen)]
+    seqs = [
+        Sequence(str(i), p, SamplingParams(), block_ids=engine.allocator.allocate(-(-len(p) // 16)))
+        for i, p in enumerate(chosen)
+    ]
     inputs = engine.runner.prepare(ScheduledBatch(seqs, [len(p) for p in chosen], [True] * len(seqs)))
     inputs.logits_indices = torch.arange(sum(len(p) for p in chosen))
     logits = engine.runner.forward(inputs)
@@ -46,7 +49,7 @@ def test_logits_match_transformers(model_dir, hf_model, prompts):
     with torch.no_grad():
         for p in chosen:
             ref = hf_model(torch.tensor([p])).logits[0]
-            worst = max(worst, (logits[start:start + len(p)] - ref).abs().max().item())
+            worst = max(worst, (logits[start : start + len(p)] - ref).abs().max().item())
             start += len(p)
     print(f"max |logits - transformers| = {worst:.3g}")
     assert worst < 1e-3

@@ -13,8 +13,8 @@ import pytest
 
 from pdserve.client import Client
 from pdserve.logs import JsonFormatter, TextFormatter, log_request
-from pdserve.tracing import Tracing, TracingConfig, inject
 from pdserve.trace_console import format_tree
+from pdserve.tracing import Tracing, TracingConfig, inject
 from tests.stack import scrape
 
 N = 3
@@ -39,8 +39,12 @@ async def test_one_trace_per_request_across_three_processes(observed_stack, mode
     stack, otlp, logs = observed_stack
     before = {role: scrape(url) for role, url in stack.metrics.items()}
     async with Client(stack.gateway) as client:
-        done = await asyncio.gather(*(client.complete(prompt=p, max_tokens=6, ignore_eos=True, request_id=f"obs-{i}")
-                                      for i, p in enumerate(PROMPTS)))
+        done = await asyncio.gather(
+            *(
+                client.complete(prompt=p, max_tokens=6, ignore_eos=True, request_id=f"obs-{i}")
+                for i, p in enumerate(PROMPTS)
+            )
+        )
     after = {role: scrape(url) for role, url in stack.metrics.items()}
     stack.wait_idle()
 
@@ -51,15 +55,28 @@ async def test_one_trace_per_request_across_three_processes(observed_stack, mode
                 ids[s.attributes["pdserve.request_id"]].add(s.trace_id)
         return ids
 
-    wanted = {"gateway.tokenize", "gateway.route", "decode.admit", "decode.first_token", "decode.stream",
-              "prefill.queue", "prefill.forward", "kv.transfer", "kv.receive"}
+    wanted = {
+        "gateway.tokenize",
+        "gateway.route",
+        "decode.admit",
+        "decode.first_token",
+        "decode.stream",
+        "prefill.queue",
+        "prefill.forward",
+        "kv.transfer",
+        "kv.receive",
+    }
+
     def complete(spans, rid: str) -> bool:
         """The request's spans are one trace whose every parent has arrived, and hold every wanted name."""
         ids = by_request(spans)[rid]
         tree = [s for s in spans if s.trace_id in ids]
         have = {s.span_id for s in tree}
-        return len(ids) == 1 and wanted <= {s.name for s in tree} and all(s.parent_id in have or not s.parent_id
-                                                                          for s in tree)
+        return (
+            len(ids) == 1
+            and wanted <= {s.name for s in tree}
+            and all(s.parent_id in have or not s.parent_id for s in tree)
+        )
 
     spans = otlp.wait_for(lambda spans: all(complete(spans, f"obs-{i}") for i in range(N)))
     ours = {f"obs-{i}" for i in range(N)}  # the session's stack also serves other tests
@@ -78,7 +95,7 @@ async def test_one_trace_per_request_across_three_processes(observed_stack, mode
         print(text)
         assert all(name in text for name in wanted) and len(text.splitlines()) == len(tree) + 1
 
-        def only(name, kind=None):
+        def only(name, kind=None, one=one):
             matches = [s for (n, k), ss in one.items() for s in ss if n == name and kind in (None, k)]
             assert len(matches) == 1, (name, kind, matches)
             return matches[0]
@@ -91,12 +108,20 @@ async def test_one_trace_per_request_across_three_processes(observed_stack, mode
         prefill = only("/pdserve.v1.PrefillService/Prefill", "SERVER")
         send, receive = only("kv.transfer"), only("kv.receive")
         links = [
-            (gw, None), (to_decode, gw), (decode, to_decode), (first, decode),
-            (only("gateway.tokenize"), gw), (only("gateway.route"), gw),
-            (only("decode.admit"), decode), (only("decode.stream"), decode),
-            (to_prefill, first), (prefill, to_prefill),
-            (only("prefill.queue"), prefill), (only("prefill.forward"), prefill),
-            (send, prefill), (receive, send),
+            (gw, None),
+            (to_decode, gw),
+            (decode, to_decode),
+            (first, decode),
+            (only("gateway.tokenize"), gw),
+            (only("gateway.route"), gw),
+            (only("decode.admit"), decode),
+            (only("decode.stream"), decode),
+            (to_prefill, first),
+            (prefill, to_prefill),
+            (only("prefill.queue"), prefill),
+            (only("prefill.forward"), prefill),
+            (send, prefill),
+            (receive, send),
         ]
         for span, parent in links:
             assert span.parent_id == (parent.span_id if parent else ""), (span.name, span.service)
@@ -146,8 +171,7 @@ async def test_one_trace_per_request_across_three_processes(observed_stack, mode
 
     # one structured line per request in every service, carrying the request's trace id
     for role in ("gateway", "decode", "prefill"):
-        lines = [json.loads(line) for line in (logs / f"{role}.log").read_text().splitlines()
-                 if line.startswith("{")]
+        lines = [json.loads(line) for line in (logs / f"{role}.log").read_text().splitlines() if line.startswith("{")]
         finished = {rec["request_id"]: rec for rec in lines if rec["msg"] == "request"}
         for i in range(N):
             rec = finished[f"obs-{i}"]
@@ -227,8 +251,9 @@ async def test_cancelled_and_timed_out_requests_say_so_on_their_server_spans(obs
             break  # the first token arrived: the request is decoding
         call.cancel()
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await client.complete(prompt="Write a long essay", max_tokens=400, ignore_eos=True, timeout=3.0,
-                                  request_id="obs-deadline")
+            await client.complete(
+                prompt="Write a long essay", max_tokens=400, ignore_eos=True, timeout=3.0, request_id="obs-deadline"
+            )
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     stack.wait_idle()
     methods = {"/pdserve.v1.Generation/Generate", "/pdserve.v1.DecodeService/Decode"}
@@ -237,8 +262,9 @@ async def test_cancelled_and_timed_out_requests_say_so_on_their_server_spans(obs
         ids = {s.trace_id for s in spans if s.attributes.get("pdserve.request_id") == rid}
         return [s for s in spans if s.trace_id in ids and s.kind == "SERVER" and s.name in methods]
 
-    spans = otlp.wait_for(lambda spans: all(len(server_spans(spans, rid)) == 2
-                                            for rid in ("obs-cancel", "obs-deadline")))
+    spans = otlp.wait_for(
+        lambda spans: all(len(server_spans(spans, rid)) == 2 for rid in ("obs-cancel", "obs-deadline"))
+    )
     for rid, code in (("obs-cancel", grpc.StatusCode.CANCELLED), ("obs-deadline", grpc.StatusCode.DEADLINE_EXCEEDED)):
         for span in server_spans(spans, rid):
             assert span.attributes["rpc.grpc.status_code"] == code.value[0], (rid, span.name, span.attributes)

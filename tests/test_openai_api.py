@@ -33,14 +33,20 @@ async def test_official_client_gets_transformers_greedy_text(stack, hf_model, to
     messages = [{"role": "user", "content": "Name three colours."}]
     want_chat = until_eos(hf_greedy(hf_model, tokenizer.apply_chat_template(messages), 20))
     want_text = tokenizer.decode(want_chat)
-    chat = await client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=20,
-                                                temperature=0)
+    chat = await client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=20, temperature=0
+    )
     assert chat.choices[0].message.content == want_text and chat.choices[0].message.role == "assistant"
     assert chat.usage.completion_tokens == len(want_chat)
     assert chat.choices[0].finish_reason == ("stop" if want_chat[-1] == EOS else "length")
-    streamed = await client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=20,
-                                                    temperature=0, stream=True,
-                                                    stream_options={"include_usage": True})
+    streamed = await client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces, usage, roles = [], None, []
     async for chunk in streamed:
         if chunk.choices:
@@ -52,11 +58,11 @@ async def test_official_client_gets_transformers_greedy_text(stack, hf_model, to
 
     prompt = "The capital of France is"
     want = until_eos(hf_greedy(hf_model, tokenizer.encode(prompt), 12))
-    done = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12,
-                                           temperature=0)
+    done = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0)
     assert done.choices[0].text == tokenizer.decode(want)
-    ids = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=tokenizer.encode(prompt),
-                                          max_tokens=12, temperature=0, stream=True)
+    ids = await client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=tokenizer.encode(prompt), max_tokens=12, temperature=0, stream=True
+    )
     assert "".join([c.choices[0].text async for c in ids if c.choices]) == tokenizer.decode(want)
     models = await client.models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
@@ -64,8 +70,16 @@ async def test_official_client_gets_transformers_greedy_text(stack, hf_model, to
 
 
 async def test_sse_framing_and_logprobs_raw(stack):
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Hello", "max_tokens": 5, "temperature": 0, "stream": True,
-            "logprobs": 2, "stream_options": {"include_usage": True}, "some_future_field": {"ignored": True}}
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "prompt": "Hello",
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "logprobs": 2,
+        "stream_options": {"include_usage": True},
+        "some_future_field": {"ignored": True},
+    }
     async with aiohttp.ClientSession(headers={"Authorization": "Bearer sesame"}) as s:
         async with s.post(stack.http + "/v1/completions", json=body) as resp:
             assert resp.status == 200 and resp.headers["content-type"].startswith("text/event-stream")
@@ -83,21 +97,32 @@ async def test_sse_framing_and_logprobs_raw(stack):
     assert all(len(t) == 2 for x in lp for t in x["top_logprobs"])
 
 
-@pytest.mark.parametrize("path,body,status,param", [
-    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400,
-     "temperature"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 3}, 400, "top_p"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
-                              "top_logprobs": 99}, 400, "top_logprobs"),
-    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 9}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "stop": [1, 2]}, 400, "stop"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
-])
+@pytest.mark.parametrize(
+    "path,body,status,param",
+    [
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+            400,
+            "temperature",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 3}, 400, "top_p"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 99},
+            400,
+            "top_logprobs",
+        ),
+        ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 9}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "stop": [1, 2]}, 400, "stop"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+    ],
+)
 async def test_bad_parameters_are_named_in_openai_errors(stack, path, body, status, param):
     async with aiohttp.ClientSession(headers={"Authorization": "Bearer sesame"}) as s:
         async with s.post(stack.http + path, json=body) as resp:

@@ -33,12 +33,13 @@ def stack():
 async def test_concurrent_greedy_requests_match_transformers(stack, hf_model, tokenizer):
     n_tokens = 24
     texts = _texts(16, seed=3)
-    requests = [({"messages": [{"role": "user", "content": t}]} if i % 2 else {"prompt": t}) for i, t in enumerate(texts)]
+    requests = [
+        ({"messages": [{"role": "user", "content": t}]} if i % 2 else {"prompt": t}) for i, t in enumerate(texts)
+    ]
     async with Client(stack.gateway) as client:
-        results = await asyncio.gather(*(client.complete(**r, max_tokens=n_tokens, temperature=0.0)
-                                         for r in requests))
+        results = await asyncio.gather(*(client.complete(**r, max_tokens=n_tokens, temperature=0.0) for r in requests))
     for r, got in zip(requests, results):
-        prompt_ids = (tokenizer.apply_chat_template(r["messages"]) if "messages" in r else tokenizer.encode(r["prompt"]))
+        prompt_ids = tokenizer.apply_chat_template(r["messages"]) if "messages" in r else tokenizer.encode(r["prompt"])
         want = until_eos(hf_greedy(hf_model, prompt_ids, n_tokens))
         assert got.token_ids == want
         assert got.text == tokenizer.decode(want)
@@ -69,16 +70,17 @@ async def test_prefix_cache_serves_repeated_prompt(stack):
 def _engine_work(stack) -> tuple[float, float]:
     """Sequence-steps the decode worker has run and prompt tokens the prefill worker has computed, so far."""
     decode, prefill = scrape(stack.metrics["decode"]), scrape(stack.metrics["prefill"])
-    return (decode[("pdserve_decode_batch_size_sum", frozenset())],
-            prefill[("pdserve_prefill_batch_tokens_sum", frozenset())])
+    return (
+        decode[("pdserve_decode_batch_size_sum", frozenset())],
+        prefill[("pdserve_prefill_batch_tokens_sum", frozenset())],
+    )
 
 
 async def test_cancel_mid_stream_frees_every_block_and_stops_generating(stack):
     stack.wait_idle()
     steps_before, _ = _engine_work(stack)
     async with Client(stack.gateway) as client:
-        call = client.stream(prompt="Count from one to a thousand:", max_tokens=400, temperature=0.0,
-                             ignore_eos=True)
+        call = client.stream(prompt="Count from one to a thousand:", max_tokens=400, temperature=0.0, ignore_eos=True)
         seen = 0
         async for resp in call:
             seen += len(resp.token_ids)
@@ -96,8 +98,9 @@ async def test_deadline_stops_work(stack):
     steps_before, _ = _engine_work(stack)
     async with Client(stack.gateway) as client:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await client.complete(prompt="Write a long essay", max_tokens=500, ignore_eos=True, temperature=0.0,
-                                  timeout=1.5)
+            await client.complete(
+                prompt="Write a long essay", max_tokens=500, ignore_eos=True, temperature=0.0, timeout=1.5
+            )
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     stack.wait_idle()
     steps, _ = _engine_work(stack)
@@ -121,8 +124,9 @@ async def test_deadline_abandons_a_long_prefill_between_chunks(stack):
 
 async def test_burst_of_50_requests_returns_pool_to_idle(stack):
     async with Client(stack.gateway) as client:
-        results = await asyncio.gather(*(client.complete(prompt=t, max_tokens=8, temperature=0.0)
-                                         for t in _texts(50, seed=11)))
+        results = await asyncio.gather(
+            *(client.complete(prompt=t, max_tokens=8, temperature=0.0) for t in _texts(50, seed=11))
+        )
     assert all(r.finish_reason in ("stop", "length") for r in results)
     idle = stack.wait_idle()
     assert idle.kv_blocks_used == 0
@@ -139,20 +143,23 @@ async def test_stop_string_is_never_streamed(stack, tokenizer):
     stack.wait_idle()
 
 
-@pytest.mark.parametrize("kwargs,code,needle", [
-    (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-    (dict(prompt="hello " * 9000), grpc.StatusCode.INVALID_ARGUMENT, "tokens"),
-    (dict(prompt="hi", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    (dict(prompt="hi", top_p=2.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-    (dict(prompt="hi", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-    (dict(prompt="hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "does not exist"),
-    (dict(messages=[]), grpc.StatusCode.INVALID_ARGUMENT, "messages"),
-    (dict(prompt="hi", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
-    (dict(prompt="hi", temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    (dict(prompt="hi", max_tokens=10**9), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-    (dict(prompt="hi", request_id="r" * 600), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
-    (dict(prompt="x" * (5 << 20)), grpc.StatusCode.INVALID_ARGUMENT, "bytes"),
-])
+@pytest.mark.parametrize(
+    "kwargs,code,needle",
+    [
+        (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+        (dict(prompt="hello " * 9000), grpc.StatusCode.INVALID_ARGUMENT, "tokens"),
+        (dict(prompt="hi", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (dict(prompt="hi", top_p=2.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (dict(prompt="hi", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        (dict(prompt="hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "does not exist"),
+        (dict(messages=[]), grpc.StatusCode.INVALID_ARGUMENT, "messages"),
+        (dict(prompt="hi", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+        (dict(prompt="hi", temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (dict(prompt="hi", max_tokens=10**9), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        (dict(prompt="hi", request_id="r" * 600), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+        (dict(prompt="x" * (5 << 20)), grpc.StatusCode.INVALID_ARGUMENT, "bytes"),
+    ],
+)
 async def test_bad_input_gets_its_status_and_service_keeps_serving(stack, kwargs, code, needle):
     async with Client(stack.gateway) as client:
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -193,8 +200,23 @@ async def test_no_worker_is_unavailable(model_dir):
 
     port = free_port()
     dead = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "gateway", "--port", str(port), "--prefill", dead,
-                             "--decode", dead, "--ready-timeout", "0.5"], env=service_env())
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "gateway",
+            "--port",
+            str(port),
+            "--prefill",
+            dead,
+            "--decode",
+            dead,
+            "--ready-timeout",
+            "0.5",
+        ],
+        env=service_env(),
+    )
     try:
         wait_serving(f"127.0.0.1:{port}", proc)
         async with Client(f"127.0.0.1:{port}") as client:
@@ -211,9 +233,11 @@ def _list_services(address: str, service: str) -> set[str]:
     from grpc_reflection.v1alpha import reflection_pb2
 
     with grpc.insecure_channel(address) as channel:
-        call = channel.stream_stream(f"/{service}/ServerReflectionInfo",
-                                     request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
-                                     response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        call = channel.stream_stream(
+            f"/{service}/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
         resp = next(call(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
         return {s.name for s in resp.list_services_response.service}
 
@@ -257,8 +281,9 @@ async def test_gateway_retries_on_another_decode_worker_when_one_dies():
         dead.wait(30)
         before = scrape(two.metrics["gateway"]).get(("pdserve_gateway_retries_total", frozenset()), 0)
         async with Client(two.gateway) as client:
-            results = await asyncio.gather(*(client.complete(prompt=f"Say {i}", max_tokens=4, temperature=0.0)
-                                             for i in range(6)))
+            results = await asyncio.gather(
+                *(client.complete(prompt=f"Say {i}", max_tokens=4, temperature=0.0) for i in range(6))
+            )
         assert all(r.finish_reason in ("stop", "length") and r.token_ids for r in results)
         after = scrape(two.metrics["gateway"])[("pdserve_gateway_retries_total", frozenset())]
         assert after - before >= 1

@@ -12,7 +12,9 @@ def test_generated_stubs_are_current(tmp_path):
     for path in fresh:
         checked_in = ROOT / "protos" / path.name
         assert checked_in.is_file(), f"{path.name} missing: run python -m pdserve.protos.generate"
-        assert checked_in.read_text() == path.read_text(), f"{path.name} is stale: run python -m pdserve.protos.generate"
+        assert checked_in.read_text() == path.read_text(), (
+            f"{path.name} is stale: run python -m pdserve.protos.generate"
+        )
     stale = {p.name for p in (ROOT / "protos").glob("*_pb2*.py*")} - {p.name for p in fresh}
     assert not stale, f"stubs without a .proto: {stale}"
 

@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from pdserve.client import Client
-from pdserve.security import TLSConfig
 from pdserve.protos import common_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.security import TLSConfig
 from tests.certs import make_pki
 from tests.stack import channel, scrape, service_env, start_stack
 
@@ -31,10 +31,12 @@ def stack():
 
 def _prefill_request(kv_address: str, rid: str = "direct") -> worker_pb2.PrefillRequest:
     return worker_pb2.PrefillRequest(
-        request_id=rid, token_ids=list(range(300, 340)), num_prompt_tokens=40,
+        request_id=rid,
+        token_ids=list(range(300, 340)),
+        num_prompt_tokens=40,
         sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0),
-        kv_target=worker_pb2.KVTarget(address=kv_address, layout_fingerprint="x",
-                                      transfer_id="t-" + rid, secret="s"))
+        kv_target=worker_pb2.KVTarget(address=kv_address, layout_fingerprint="x", transfer_id="t-" + rid, secret="s"),
+    )
 
 
 def _fingerprint(stack) -> str:
@@ -89,8 +91,12 @@ async def test_a_kv_target_that_is_not_a_receiver_fails_only_its_request(stack):
 async def test_tiny_temperature_in_a_batch_hurts_nobody(stack):
     async with Client(stack.gateway) as client:
         kinds = [dict(temperature=1e-37), dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=3)] * 2
-        results = await asyncio.gather(*(client.complete(prompt=f"Tell me about {i}", max_tokens=12, ignore_eos=True,
-                                                         **kw) for i, kw in enumerate(kinds)))
+        results = await asyncio.gather(
+            *(
+                client.complete(prompt=f"Tell me about {i}", max_tokens=12, ignore_eos=True, **kw)
+                for i, kw in enumerate(kinds)
+            )
+        )
     assert all(r.finish_reason == "length" and len(r.token_ids) == 12 for r in results)
     stack.wait_idle()
 
@@ -103,8 +109,9 @@ async def test_a_big_prompt_is_tokenized_off_the_event_loop(stack):
         arrivals: list[float] = []
 
         async def stream():
-            async for resp in client.stream(prompt="Count to a hundred:", max_tokens=150, ignore_eos=True,
-                                            temperature=0.0):
+            async for _ in client.stream(
+                prompt="Count to a hundred:", max_tokens=150, ignore_eos=True, temperature=0.0
+            ):
                 arrivals.append(time.monotonic())
 
         streaming = asyncio.ensure_future(stream())
@@ -158,9 +165,14 @@ async def test_decode_dials_only_prefill_workers_it_was_given():
     try:
         async with grpc.aio.insecure_channel(guarded.decode[0]) as ch:
             stub = worker_pb2_grpc.DecodeServiceStub(ch)
-            call = stub.Decode(worker_pb2.DecodeRequest(request_id="x", prompt_token_ids=[5, 6, 7],
-                                                        sampling=common_pb2.SamplingParams(max_tokens=2),
-                                                        prefill_address=guarded.prefill[0]))
+            call = stub.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id="x",
+                    prompt_token_ids=[5, 6, 7],
+                    sampling=common_pb2.SamplingParams(max_tokens=2),
+                    prefill_address=guarded.prefill[0],
+                )
+            )
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in call:
                     pass
@@ -173,9 +185,11 @@ async def test_decode_dials_only_prefill_workers_it_was_given():
 async def test_tls_everywhere_mutual_between_services_and_an_api_key(tmp_path):
     pki = make_pki(tmp_path, ["gateway", "prefill", "decode", "client"])
     me = TLSConfig(*pki["client"], pki["ca"][0])
-    secured = start_stack(everyone=["--tls-cert", pki["gateway"][0], "--tls-key", pki["gateway"][1],
-                                    "--tls-ca", pki["ca"][0]],
-                          gateway_extra=["--api-key", "sesame"], tls=me)
+    secured = start_stack(
+        everyone=["--tls-cert", pki["gateway"][0], "--tls-key", pki["gateway"][1], "--tls-ca", pki["ca"][0]],
+        gateway_extra=["--api-key", "sesame"],
+        tls=me,
+    )
     try:
         async with Client(secured.gateway, api_key="sesame", tls=TLSConfig(ca=pki["ca"][0])) as client:
             ok = await client.complete(prompt="Hello", max_tokens=3, temperature=0.0)
@@ -216,10 +230,16 @@ async def test_tls_with_one_service_name_for_workers_dialled_by_address(tmp_path
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await c.complete(prompt="Hello", max_tokens=3, timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        env = {**service_env(), "PDSERVE_TLS_CERT": pki["service"][0], "PDSERVE_TLS_KEY": pki["service"][1],
-               "PDSERVE_TLS_CA": pki["ca"][0], "PDSERVE_TLS_SERVER_NAME": "pdserve.internal"}
-        probe = subprocess.run([*PDSERVE, "health", "--address", secured.decode[0]], env=env, capture_output=True,
-                               text=True, timeout=60)
+        env = {
+            **service_env(),
+            "PDSERVE_TLS_CERT": pki["service"][0],
+            "PDSERVE_TLS_KEY": pki["service"][1],
+            "PDSERVE_TLS_CA": pki["ca"][0],
+            "PDSERVE_TLS_SERVER_NAME": "pdserve.internal",
+        }
+        probe = subprocess.run(
+            [*PDSERVE, "health", "--address", secured.decode[0]], env=env, capture_output=True, text=True, timeout=60
+        )
         assert probe.returncode == 0, probe.stderr
     finally:
         secured.stop()

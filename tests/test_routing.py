@@ -27,8 +27,7 @@ async def _round(client: Client, prefixes: list[list[int]], rng: random.Random) 
     order = list(range(len(prefixes)))
     rng.shuffle(order)
     prompts = [prefixes[i] + [rng.randrange(1000, 40000) for _ in range(8)] for i in order]
-    return await asyncio.gather(*(client.complete(prompt_token_ids=p, max_tokens=2, temperature=0.0)
-                                  for p in prompts))
+    return await asyncio.gather(*(client.complete(prompt_token_ids=p, max_tokens=2, temperature=0.0) for p in prompts))
 
 
 async def test_prefixes_follow_the_worker_that_caches_them():
@@ -69,8 +68,9 @@ async def test_prefixes_follow_the_worker_that_caches_them():
             while sum(r.cached_prompt_tokens for r in more[-1]) < reusable * 3 and len(more) < 8:
                 more.append(await _round(client, prefixes, rng))
         assert all(r.finish_reason for rnd in more for r in rnd)
-        assert sum(r.cached_prompt_tokens for r in more[-1]) == reusable * 3, \
-            [[r.cached_prompt_tokens for r in rnd] for rnd in more]
+        assert sum(r.cached_prompt_tokens for r in more[-1]) == reusable * 3, [
+            [r.cached_prompt_tokens for r in rnd] for rnd in more
+        ]
         stack.wait_idle()
     finally:
         stack.stop()
@@ -80,15 +80,17 @@ async def test_prefixes_follow_the_worker_that_caches_them():
 async def test_every_routing_mode_is_token_exact(hf_model, routing, local_max):
     """Load-only, KV-aware, and KV-aware with short prompts prefilled on the decode worker: the same tokens as
     transformers. With the threshold, short prompts never reach a prefill worker and long ones always do."""
-    stack = start_stack(gateway_extra=["--routing", routing],
-                        decode_extra=["--local-prefill-max-tokens", str(local_max)])
+    stack = start_stack(
+        gateway_extra=["--routing", routing], decode_extra=["--local-prefill-max-tokens", str(local_max)]
+    )
     try:
         rng = random.Random(3)
         prompts = [[rng.randrange(1000, 40000) for _ in range(n)] for n in (12, 40, 63, 65, 120, 300)]
         before = scrape(stack.metrics["gateway"])
         async with Client(stack.gateway) as client:
-            results = await asyncio.gather(*(client.complete(prompt_token_ids=p, max_tokens=10, temperature=0.0,
-                                                             ignore_eos=True) for p in prompts))
+            results = await asyncio.gather(
+                *(client.complete(prompt_token_ids=p, max_tokens=10, temperature=0.0, ignore_eos=True) for p in prompts)
+            )
         for p, got in zip(prompts, results):
             assert got.token_ids == hf_greedy(hf_model, p, 10)
         after = scrape(stack.metrics["gateway"])

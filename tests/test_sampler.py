@@ -22,12 +22,16 @@ def kept(mask: torch.Tensor) -> set[int]:
     return set(torch.nonzero(mask).flatten().tolist())
 
 
-@pytest.mark.parametrize("k,expected", [(1, {1}), (2, {1, 3}), (3, {1, 3, 4}), (0, {0, 1, 2, 3, 4}), (-1, {0, 1, 2, 3, 4})])
+@pytest.mark.parametrize(
+    "k,expected", [(1, {1}), (2, {1, 3}), (3, {1, 3, 4}), (0, {0, 1, 2, 3, 4}), (-1, {0, 1, 2, 3, 4})]
+)
 def test_top_k(k, expected):
     assert kept(candidate_mask(_logits_for(PROBS), k, 1.0, 0.0)) == expected
 
 
-@pytest.mark.parametrize("p,expected", [(0.4, {1}), (0.41, {1, 3}), (0.7, {1, 3}), (0.71, {1, 3, 4}), (0.96, {0, 1, 2, 3, 4})])
+@pytest.mark.parametrize(
+    "p,expected", [(0.4, {1}), (0.41, {1, 3}), (0.7, {1, 3}), (0.71, {1, 3, 4}), (0.96, {0, 1, 2, 3, 4})]
+)
 def test_top_p(p, expected):
     assert kept(candidate_mask(_logits_for(PROBS), 0, p, 0.0)) == expected
 
@@ -95,11 +99,23 @@ def test_min_tokens_blocks_eos():
     assert s.sample(logits[None], [params], [[0, 3, 3]], [1])[0].token_id == 2
 
 
-@pytest.mark.parametrize("field,value", [
-    ("max_tokens", 0), ("temperature", -0.5), ("top_k", -2), ("top_p", 0.0), ("top_p", 1.5), ("min_p", 2.0),
-    ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -3.0), ("logprobs", 100),
-    ("seed", -1), ("stop_token_ids", (10**9,)),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.5),
+        ("top_k", -2),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", 2.0),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -3.0),
+        ("logprobs", 100),
+        ("seed", -1),
+        ("stop_token_ids", (10**9,)),
+    ],
+)
 def test_invalid_params_name_the_parameter(field, value):
     params = SamplingParams(**{field: value})
     with pytest.raises(ValueError, match=field):
@@ -117,14 +133,17 @@ def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return z.masked_fill(~keep, float("-inf")).softmax(-1)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.8, top_p=0.9),
-    SamplingParams(temperature=1.3, top_k=5),
-    SamplingParams(temperature=1.0, top_k=20, top_p=0.7, min_p=0.05),
-    SamplingParams(temperature=0.5),
-    SamplingParams(temperature=2.0, min_p=0.2),
-    SamplingParams(temperature=5.0, top_p=0.999),  # a flat nucleus wider than the candidate set
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=1.0, top_k=20, top_p=0.7, min_p=0.05),
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=2.0, min_p=0.2),
+        SamplingParams(temperature=5.0, top_p=0.999),  # a flat nucleus wider than the candidate set
+    ],
+)
 def test_batched_draws_follow_the_reference_distribution(params):
     """Rows of one batch, each with its own params, drawn 4000 times: only candidates, and frequencies within
     a few standard errors of the reference probabilities (seeded, so the check is deterministic)."""
@@ -149,13 +168,21 @@ def test_batched_draws_follow_the_reference_distribution(params):
 def test_tiny_temperature_is_greedy_and_bad_rows_fail_alone():
     logits = torch.tensor([[0.0, 5.0, 1.0], [float("nan"), 1.0, 2.0], [1.0, 0.0, 3.0]])
     s = Sampler(3)
-    out = s.sample(logits, [SamplingParams(temperature=1e-37), SamplingParams(temperature=1.0),
-                            SamplingParams(temperature=0.7, seed=3)], [[0], [0], [0]], [1, 1, 1])
+    out = s.sample(
+        logits,
+        [SamplingParams(temperature=1e-37), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, seed=3)],
+        [[0], [0], [0]],
+        [1, 1, 1],
+    )
     assert out[0].token_id == 1
     assert isinstance(out[1], SamplingError)
     assert isinstance(out[2], SampleOutput)
-    greedy = s.sample(logits[:1].repeat(2, 1).index_copy(0, torch.tensor([1]), logits[1:2]),
-                      [SamplingParams(temperature=0)] * 2, [[0], [0]], [1, 1])
+    greedy = s.sample(
+        logits[:1].repeat(2, 1).index_copy(0, torch.tensor([1]), logits[1:2]),
+        [SamplingParams(temperature=0)] * 2,
+        [[0], [0]],
+        [1, 1],
+    )
     assert greedy[0].token_id == 1 and isinstance(greedy[1], SamplingError)
 
 
@@ -176,7 +203,7 @@ def test_two_level_inverse_cdf_matches_one_cumsum_and_skips_zero_weights():
     weights[0, heavy] = torch.tensor([0.1, 0.3, 0.2, 0.25, 0.15])
     weights[1] = torch.rand(vocab, generator=torch.Generator().manual_seed(0))
     weights[2, vocab - 5] = 2.0
-    for u in (0.0, 0.05, 0.1, 0.35, 0.5, 0.61, 0.9, 0.999999, 1.0 - 2 ** -24):
+    for u in (0.0, 0.05, 0.1, 0.35, 0.5, 0.61, 0.9, 0.999999, 1.0 - 2**-24):
         us = torch.full((3,), u)
         got = _inverse_cdf(weights, us)
         cdf = weights.cumsum(-1)

@@ -7,8 +7,12 @@ import pytest
 from pdserve.gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
 from pdserve.gateway.tokenizer import Tokenizer
 
-TEXTS = ["Hello, world! How are you today?", "naïve café — 東京タワー 🍣🍜 ok", "  leading spaces\n\tand tabs",
-         "emoji 👩‍👩‍👧‍👦 family and ∑ math"]
+TEXTS = [
+    "Hello, world! How are you today?",
+    "naïve café — 東京タワー 🍣🍜 ok",
+    "  leading spaces\n\tand tabs",
+    "emoji 👩‍👩‍👧‍👦 family and ∑ math",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +35,17 @@ def test_special_tokens_are_not_streamed(tok):
     assert "".join(detok.add([i]) for i in ids) + detok.flush() == "Done."
 
 
-@pytest.mark.parametrize("chunks,stops,expected,stopped", [
-    (["Hel", "lo wor", "ld"], ["wor"], "Hello ", True),
-    (["ab", "c", "d"], ["cd"], "ab", True),
-    (["abc"], ["x"], "abc", False),
-    (["a", "b"], [], "ab", False),
-    (["STOP"], ["STOP", "ST"], "", True),
-    (["one two", " three"], ["two three", " thr"], "one ", True),  # the earliest match wins
-])
+@pytest.mark.parametrize(
+    "chunks,stops,expected,stopped",
+    [
+        (["Hel", "lo wor", "ld"], ["wor"], "Hello ", True),
+        (["ab", "c", "d"], ["cd"], "ab", True),
+        (["abc"], ["x"], "abc", False),
+        (["a", "b"], [], "ab", False),
+        (["STOP"], ["STOP", "ST"], "", True),
+        (["one two", " three"], ["two three", " thr"], "one ", True),  # the earliest match wins
+    ],
+)
 def test_stop_strings_are_held_back_and_never_streamed(chunks, stops, expected, stopped):
     m = StopStringMatcher(stops)
     out = ""

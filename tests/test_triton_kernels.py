@@ -14,12 +14,15 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="a CUDA device is present: test_kernels_cuda.py runs the kernels compiled")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="a CUDA device is present: test_kernels_cuda.py runs the kernels compiled",
+)
 
 from pdserve.kernels.cache_ops import pack_blocks, store_kv, unpack_blocks  # noqa: E402
 from pdserve.kernels.paged_attention import paged_attention  # noqa: E402
-from pdserve.kernels.triton_kv_blocks import pack_blocks as triton_pack, unpack_blocks as triton_unpack  # noqa: E402
+from pdserve.kernels.triton_kv_blocks import pack_blocks as triton_pack  # noqa: E402
+from pdserve.kernels.triton_kv_blocks import unpack_blocks as triton_unpack  # noqa: E402
 from pdserve.kernels.triton_paged_attention import paged_decode_attention  # noqa: E402
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -34,7 +37,7 @@ def random_paged_cache(lengths, block_size, kv_heads, dim, dtype, gen, spare=3):
     table = torch.zeros(len(lengths), max(need), dtype=torch.int32)
     at = 0
     for i, n in enumerate(need):
-        table[i, :n] = perm[at:at + n].int()
+        table[i, :n] = perm[at : at + n].int()
         at += n
     return layer, table
 
@@ -48,7 +51,7 @@ def test_paged_decode_attention_matches_reference(block_size, heads, kv_heads, d
     lengths = [1, block_size - 1, block_size, block_size + 3, 2 * block_size + 5][: 3 + heads % 3]
     layer, table = random_paged_cache(lengths, block_size, kv_heads, dim, dtype, gen)
     q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
-    scale = dim ** -0.5
+    scale = dim**-0.5
     got = paged_decode_attention(q, layer[0], layer[1], table, torch.tensor(lengths, dtype=torch.int32), scale)
     starts = list(range(len(lengths) + 1))
     want = paged_attention(q.float(), layer.float(), starts, lengths, table.long(), scale)
@@ -131,8 +134,15 @@ def test_engine_greedy_with_triton_backend_equals_torch_backend(tiny_model_dir, 
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outputs = {}
     for backend in ("torch", "triton"):
-        engine = EngineCore(EngineConfig(model=str(tiny_model_dir), block_size=block_size, num_blocks=32,
-                                        max_num_batched_tokens=24, attention_backend=backend))
+        engine = EngineCore(
+            EngineConfig(
+                model=str(tiny_model_dir),
+                block_size=block_size,
+                num_blocks=32,
+                max_num_batched_tokens=24,
+                attention_backend=backend,
+            )
+        )
         assert engine.runner.backend.name == backend
         outputs[backend] = engine.generate(prompts, params)
     assert outputs["triton"] == outputs["torch"]

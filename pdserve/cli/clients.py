@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 import time
+from pathlib import Path
 
 from pdserve.cli.errors import CLIError
 from pdserve.cli.services import model_and_dtype, tls_config
@@ -62,12 +63,20 @@ def _generate_local(args: argparse.Namespace) -> int:
 
     path, dtype = model_and_dtype(args.model, args.dtype)
     cfg = EngineConfig(model=path, dtype=dtype, kv_cache_memory=256 << 20, max_num_seqs=8, device=args.device)
-    tokenizer = Tokenizer(cfg.model)
+    tokenizer = Tokenizer(Path(path))
     engine = EngineCore(cfg)
-    ids = tokenizer.encode(args.prompt) if args.raw else tokenizer.apply_chat_template(
-        [{"role": "user", "content": args.prompt}])
-    engine.add_request(ids, SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                           top_p=args.top_p or 1.0, seed=args.seed), "cli")
+    ids = (
+        tokenizer.encode(args.prompt)
+        if args.raw
+        else tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    )
+    engine.add_request(
+        ids,
+        SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p or 1.0, seed=args.seed
+        ),
+        "cli",
+    )
     detok, stops = IncrementalDetokenizer(tokenizer.hf), StopStringMatcher(args.stop)
     start, n = time.perf_counter(), 0
     while engine.has_work and not stops.stopped:
@@ -95,8 +104,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if record["completed"] == 0:
         where = args.address if args.backend == "pdserve" else args.base_url
         errors = "; ".join(record["errors"][:2])
-        raise CLIError(f"no request succeeded against {where} ({errors})" +
-                       ("; start a stack with `pdserve up`" if args.backend == "pdserve" else ""))
+        raise CLIError(
+            f"no request succeeded against {where} ({errors})"
+            + ("; start a stack with `pdserve up`" if args.backend == "pdserve" else "")
+        )
     return 0 if record["failed"] == 0 else 1
 
 
@@ -106,8 +117,11 @@ def cmd_health(args: argparse.Namespace) -> int:
 
     tls = tls_config(args)
     creds = tls.channel_credentials() if tls is not None else None
-    with (grpc.secure_channel(args.address, creds, options=tls.channel_options()) if creds
-          else grpc.insecure_channel(args.address)) as channel:
+    with (
+        grpc.secure_channel(args.address, creds, options=tls.channel_options())
+        if creds
+        else grpc.insecure_channel(args.address)
+    ) as channel:
         try:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
         except grpc.RpcError as e:

@@ -35,6 +35,7 @@ from pdserve.cli.options import (
 from pdserve.cli.services import cmd_gateway, cmd_worker
 from pdserve.cli.up import cmd_up
 
+
 def _version() -> str:
     try:
         return metadata.version("pdserve")
@@ -59,11 +60,15 @@ class _Help(argparse.HelpFormatter):
 def _logging_args(p: argparse.ArgumentParser, suppress: bool) -> None:
     """On the root parser with defaults; on every subcommand with SUPPRESS, so either position works."""
     default = (lambda value: argparse.SUPPRESS) if suppress else (lambda value: value)
-    p.add_argument("--log-level", default=default(os.environ.get("PDSERVE_LOG_LEVEL", "INFO")),
-                   help="DEBUG, INFO, WARNING, ERROR")
-    p.add_argument("--log-format", default=default(os.environ.get("PDSERVE_LOG_FORMAT", "text")),
-                   choices=["text", "json"],
-                   help="json: one JSON object per line (request lines carry request_id and trace_id)")
+    p.add_argument(
+        "--log-level", default=default(os.environ.get("PDSERVE_LOG_LEVEL", "INFO")), help="DEBUG, INFO, WARNING, ERROR"
+    )
+    p.add_argument(
+        "--log-format",
+        default=default(os.environ.get("PDSERVE_LOG_FORMAT", "text")),
+        choices=["text", "json"],
+        help="json: one JSON object per line (request lines carry request_id and trace_id)",
+    )
 
 
 def _server_args(p: argparse.ArgumentParser, port: int, metrics_port: int) -> None:
@@ -74,25 +79,34 @@ def _server_args(p: argparse.ArgumentParser, port: int, metrics_port: int) -> No
 
 
 def _api_key_arg(p: argparse.ArgumentParser, server: bool) -> None:
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="require this key on the public API (gRPC metadata 'authorization: Bearer <key>', HTTP "
-                        "'Authorization: Bearer <key>'); default $PDSERVE_API_KEY" if server else
-                   "send this API key (default $PDSERVE_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PDSERVE_API_KEY"),
+        help="require this key on the public API (gRPC metadata 'authorization: Bearer <key>', HTTP "
+        "'Authorization: Bearer <key>'); default $PDSERVE_API_KEY"
+        if server
+        else "send this API key (default $PDSERVE_API_KEY)",
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=None,
-                   help="nucleus sampling: the smallest set of tokens whose probabilities add up to this")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="nucleus sampling: the smallest set of tokens whose probabilities add up to this",
+    )
     p.add_argument("--seed", type=int, default=None, help="seed of the request's random stream")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving",
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving", allow_abbrev=False
+    )
     parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     _logging_args(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,19 +126,25 @@ def build_parser() -> argparse.ArgumentParser:
     gw = command("gateway", "the public gRPC API and the OpenAI-compatible HTTP API")
     gw.add_argument("--model", default="default", help="the model whose tokenizer and chat template to use")
     _server_args(gw, 50051, 9400)
-    for options in (GatewayOptions, RoutingOptions, HTTPOptions):
-        add_options(gw, options)
+    for gateway_options in (GatewayOptions, RoutingOptions, HTTPOptions):
+        add_options(gw, gateway_options)
     _api_key_arg(gw, server=True)
 
-    roles = {"prefill": "a prefill worker", "decode": "a decode worker",
-             "colocated": "a worker that prefills and decodes itself (no KV transfer; the gateway treats it as a "
-                          "decode worker and needs no --prefill)"}
+    roles = {
+        "prefill": "a prefill worker",
+        "decode": "a decode worker",
+        "colocated": "a worker that prefills and decodes itself (no KV transfer; the gateway treats it as a "
+        "decode worker and needs no --prefill)",
+    }
     for role, text in roles.items():
         w = command(role, text)
         add_options(w, EngineOptions)
         _server_args(w, *((50061, 9401) if role == "prefill" else (50071, 9402)))
-        w.add_argument("--reflection", action="store_true",
-                       help="serve gRPC reflection (off by default: workers are internal services)")
+        w.add_argument(
+            "--reflection",
+            action="store_true",
+            help="serve gRPC reflection (off by default: workers are internal services)",
+        )
         if role == "decode":
             add_options(w, DecodeOptions)
             add_options(w, LocalPrefillOptions)
@@ -142,8 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_arguments(bench)
 
     hc = command("health", "exit 0 when a service answers gRPC health SERVING (container healthcheck)")
-    hc.add_argument("--address", default=os.environ.get("PDSERVE_HEALTH_ADDRESS", "127.0.0.1:50051"),
-                    help="host:port of the service")
+    hc.add_argument(
+        "--address",
+        default=os.environ.get("PDSERVE_HEALTH_ADDRESS", "127.0.0.1:50051"),
+        help="host:port of the service",
+    )
     hc.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     add_options(hc, TLSOptions)
 
@@ -161,16 +184,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.kvtransfer.errors import ListenFailed
     from pdserve.grpc_server import PortInUse
+    from pdserve.kvtransfer.errors import ListenFailed
     from pdserve.logs import configure_logging
 
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format, args.command)
 
-    handlers = {"up": cmd_up, "gateway": cmd_gateway, "prefill": cmd_worker, "decode": cmd_worker,
-                "colocated": cmd_worker, "generate": cmd_generate, "traces": cmd_traces, "health": cmd_health,
-                "bench": cmd_bench}
+    handlers = {
+        "up": cmd_up,
+        "gateway": cmd_gateway,
+        "prefill": cmd_worker,
+        "decode": cmd_worker,
+        "colocated": cmd_worker,
+        "generate": cmd_generate,
+        "traces": cmd_traces,
+        "health": cmd_health,
+        "bench": cmd_bench,
+    }
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:

@@ -30,8 +30,16 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a size (e.g. 512M, 2G)") from None
 
 
-def option(default: Any, help: str, *, flag: str = "", choices: tuple[str, ...] = (), env: tuple[str, ...] = (),
-           parse: typing.Callable[[str], Any] | None = None, negate: bool = False) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    flag: str = "",
+    choices: tuple[str, ...] = (),
+    env: tuple[str, ...] = (),
+    parse: typing.Callable[[str], Any] | None = None,
+    negate: bool = False,
+) -> Any:
     """A dataclass field that is also a command-line flag. `env`: variables that override the default (the first
     one set); `negate`: a bool that is True by default and turned off by `flag` (e.g. --no-prefix-caching)."""
     meta = {"help": help, "flag": flag, "choices": choices, "env": env, "parse": parse, "negate": negate}
@@ -62,8 +70,14 @@ def add_options(parser: argparse.ArgumentParser, cls: type, **defaults: Any) -> 
             action = "store_false" if meta["negate"] else "store_true"
             parser.add_argument(_flag(f), dest=f.name, action=action, default=default, help=meta["help"])
             continue
-        parser.add_argument(_flag(f), dest=f.name, type=meta["parse"] or kind, default=default,
-                            choices=meta["choices"] or None, help=meta["help"])
+        parser.add_argument(
+            _flag(f),
+            dest=f.name,
+            type=meta["parse"] or kind,
+            default=default,
+            choices=meta["choices"] or None,
+            help=meta["help"],
+        )
 
 
 def from_args(cls: type, args: argparse.Namespace) -> Any:
@@ -98,64 +112,98 @@ class EngineOptions:
     block_size: int = option(_ENGINE.block_size, "tokens per KV-cache block")
     kv_cache_memory: int = option(_ENGINE.kv_cache_memory, "KV pool size per worker, e.g. 512M, 2G", parse=parse_size)
     max_num_seqs: int = option(_ENGINE.max_num_seqs, "sequences in one continuous batch at most")
-    max_num_batched_tokens: int = option(_ENGINE.max_num_batched_tokens,
-                                         "tokens in one forward step at most (long prompts are chunked to fit)")
-    max_model_len: int | None = option(_ENGINE.max_model_len,
-                                       "context length limit (default: the model's), prompt plus output")
-    prefix_caching: bool = option(_ENGINE.enable_prefix_caching, "turn automatic prefix caching off",
-                                  flag="--no-prefix-caching", negate=True)
-    threads: int | None = option(_ENGINE.num_threads, "torch threads for this worker (default: up shares the "
-                                 "cores among the workers; one worker takes them all)")
-    attention_backend: str = option(_ENGINE.attention_backend, "auto: flash-attn > triton > torch on a GPU, "
-                                    "cpu > torch on a CPU, by what the machine supports (logged at start-up)",
-                                    choices=("auto", "flash-attn", "triton", "cpu", "torch"))
-    device: str = option(_ENGINE.device, "cpu, cuda[:N] or auto: where the weights and the KV cache live (KV "
-                         "between workers is staged through host memory)")
-    kv_transport: str = option("ucx", "how KV moves between workers", choices=("ucx", "tcp"),
-                               env=("PDSERVE_KV_TRANSPORT",))
+    max_num_batched_tokens: int = option(
+        _ENGINE.max_num_batched_tokens, "tokens in one forward step at most (long prompts are chunked to fit)"
+    )
+    max_model_len: int | None = option(
+        _ENGINE.max_model_len, "context length limit (default: the model's), prompt plus output"
+    )
+    prefix_caching: bool = option(
+        _ENGINE.enable_prefix_caching, "turn automatic prefix caching off", flag="--no-prefix-caching", negate=True
+    )
+    threads: int | None = option(
+        _ENGINE.num_threads,
+        "torch threads for this worker (default: up shares the cores among the workers; one worker takes them all)",
+    )
+    attention_backend: str = option(
+        _ENGINE.attention_backend,
+        "auto: flash-attn > triton > torch on a GPU, "
+        "cpu > torch on a CPU, by what the machine supports (logged at start-up)",
+        choices=("auto", "flash-attn", "triton", "cpu", "torch"),
+    )
+    device: str = option(
+        _ENGINE.device,
+        "cpu, cuda[:N] or auto: where the weights and the KV cache live (KV "
+        "between workers is staged through host memory)",
+    )
+    kv_transport: str = option(
+        "ucx", "how KV moves between workers", choices=("ucx", "tcp"), env=("PDSERVE_KV_TRANSPORT",)
+    )
 
 
 @dataclass
 class ObservabilityOptions:
-    metrics_port: int = option(9400, "HTTP port of /metrics (Prometheus); -1 turns it off (up: the gateway's; "
-                               "workers take the next ones)")
+    metrics_port: int = option(
+        9400, "HTTP port of /metrics (Prometheus); -1 turns it off (up: the gateway's; workers take the next ones)"
+    )
     metrics_host: str | None = option(None, "address /metrics binds (default: --host)")
-    otlp_endpoint: str | None = option(None, "OTLP trace collector, e.g. http://127.0.0.1:4318 (default "
-                                       "$OTEL_EXPORTER_OTLP_ENDPOINT; unset: tracing off)",
-                                       env=("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"))
-    otlp_protocol: str = option("http/protobuf", "OTLP wire protocol", choices=("http/protobuf", "grpc"),
-                                env=("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"))
-    trace_sample_ratio: float = option(1.0, "fraction of requests traced (parent-based)",
-                                       env=("OTEL_TRACES_SAMPLER_ARG",))
+    otlp_endpoint: str | None = option(
+        None,
+        "OTLP trace collector, e.g. http://127.0.0.1:4318 (default $OTEL_EXPORTER_OTLP_ENDPOINT; unset: tracing off)",
+        env=("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    )
+    otlp_protocol: str = option(
+        "http/protobuf",
+        "OTLP wire protocol",
+        choices=("http/protobuf", "grpc"),
+        env=("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+    )
+    trace_sample_ratio: float = option(
+        1.0, "fraction of requests traced (parent-based)", env=("OTEL_TRACES_SAMPLER_ARG",)
+    )
 
 
 @dataclass
 class TLSOptions:
-    tls_cert: str | None = option(None, "PEM file: this process's certificate (a service's identity, also toward "
-                                  "the services it calls; a client's, where the server asks for one)",
-                                  env=("PDSERVE_TLS_CERT",))
+    tls_cert: str | None = option(
+        None,
+        "PEM file: this process's certificate (a service's identity, also toward "
+        "the services it calls; a client's, where the server asks for one)",
+        env=("PDSERVE_TLS_CERT",),
+    )
     tls_key: str | None = option(None, "PEM file: its private key", env=("PDSERVE_TLS_KEY",))
-    tls_ca: str | None = option(None, "PEM file: the CA that signs the services' certificates (turns TLS on for "
-                                "calls; workers also require callers to present a certificate it signed)",
-                                env=("PDSERVE_TLS_CA",))
-    tls_server_name: str | None = option(None, "check the certificates of the services called against this name, "
-                                         "not the address dialled (workers found by DNS are dialled by IP)",
-                                         env=("PDSERVE_TLS_SERVER_NAME",))
+    tls_ca: str | None = option(
+        None,
+        "PEM file: the CA that signs the services' certificates (turns TLS on for "
+        "calls; workers also require callers to present a certificate it signed)",
+        env=("PDSERVE_TLS_CA",),
+    )
+    tls_server_name: str | None = option(
+        None,
+        "check the certificates of the services called against this name, "
+        "not the address dialled (workers found by DNS are dialled by IP)",
+        env=("PDSERVE_TLS_SERVER_NAME",),
+    )
 
 
 @dataclass
 class HTTPOptions:
-    http_port: int = option(8000, "port of the OpenAI-compatible HTTP API (/v1/chat/completions, "
-                            "/v1/completions, /v1/models); -1 turns it off", env=("PDSERVE_HTTP_PORT",))
+    http_port: int = option(
+        8000,
+        "port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models); -1 turns it off",
+        env=("PDSERVE_HTTP_PORT",),
+    )
     http_host: str | None = option(None, "address the HTTP API binds (default: --host)")
 
 
 @dataclass
 class RoutingOptions:
-    routing: str = option("kv-aware", "kv-aware: prefill worker by prefix-cache overlap weighed against its "
-                          "queue; load: queue only", choices=("kv-aware", "load"))
-    overlap_weight: float = option(1.0, "kv-aware score: overlap_weight * cached blocks - queued tokens / "
-                                   "block size")
+    routing: str = option(
+        "kv-aware",
+        "kv-aware: prefill worker by prefix-cache overlap weighed against its queue; load: queue only",
+        choices=("kv-aware", "load"),
+    )
+    overlap_weight: float = option(1.0, "kv-aware score: overlap_weight * cached blocks - queued tokens / block size")
 
 
 # prompts up to this many tokens are prefilled on the decode worker: measured on CPU (README, "Routing"), local
@@ -165,24 +213,38 @@ LOCAL_PREFILL_DEFAULT = 128
 
 @dataclass
 class LocalPrefillOptions:
-    local_prefill_max_tokens: int = option(LOCAL_PREFILL_DEFAULT, "conditional disaggregation: prompts up to "
-                                           "this many tokens are prefilled by the decode worker itself while its "
-                                           "prefill backlog is short (0: always on a prefill worker)")
+    local_prefill_max_tokens: int = option(
+        LOCAL_PREFILL_DEFAULT,
+        "conditional disaggregation: prompts up to "
+        "this many tokens are prefilled by the decode worker itself while its "
+        "prefill backlog is short (0: always on a prefill worker)",
+    )
 
 
 @dataclass
 class DecodeOptions:
     """A decode worker's own flags, beyond the engine's."""
 
-    kv_host: str | None = option(None, "address prefill workers use to reach this worker's KV receiver "
-                                 "(default: --host)")
-    kv_port: int = option(0, "port of the KV receiver (0: any free port; fix it where a firewall or a Kubernetes "
-                          "containerPort must name it)")
-    prefill: str = option("", "comma-separated host:port list (DNS names allowed) of the prefill workers this "
-                          "worker may dial; empty: any the gateway names", env=("PDSERVE_PREFILL",))
-    threads_while_prefilling: int | None = option(None, "torch threads while a prefill worker computes prompts "
-                                                  "for this worker (default: --threads throughout); for a prefill "
-                                                  "worker on the same cores")
+    kv_host: str | None = option(
+        None, "address prefill workers use to reach this worker's KV receiver (default: --host)"
+    )
+    kv_port: int = option(
+        0,
+        "port of the KV receiver (0: any free port; fix it where a firewall or a Kubernetes "
+        "containerPort must name it)",
+    )
+    prefill: str = option(
+        "",
+        "comma-separated host:port list (DNS names allowed) of the prefill workers this "
+        "worker may dial; empty: any the gateway names",
+        env=("PDSERVE_PREFILL",),
+    )
+    threads_while_prefilling: int | None = option(
+        None,
+        "torch threads while a prefill worker computes prompts "
+        "for this worker (default: --threads throughout); for a prefill "
+        "worker on the same cores",
+    )
 
 
 @dataclass
@@ -197,10 +259,13 @@ class GatewayOptions:
     prefill: str = option("", "comma-separated host:port list of prefill workers", env=("PDSERVE_PREFILL",))
     decode: str = option("", "comma-separated host:port list of decode workers", env=("PDSERVE_DECODE",))
     ready_timeout: float = option(600.0, "seconds to wait for one worker of each role before serving anyway")
-    poll_interval: float = option(1.0, "seconds between GetStats polls of every worker (load and health for "
-                                  "routing)")
-    discover: bool = option(False, "treat --prefill/--decode as DNS names and follow every address they resolve "
-                            "to (compose --scale, Kubernetes headless services)", env=("PDSERVE_DISCOVER",))
+    poll_interval: float = option(1.0, "seconds between GetStats polls of every worker (load and health for routing)")
+    discover: bool = option(
+        False,
+        "treat --prefill/--decode as DNS names and follow every address they resolve "
+        "to (compose --scale, Kubernetes headless services)",
+        env=("PDSERVE_DISCOVER",),
+    )
     max_prompt_bytes: int = option(1 << 20, "refuse longer prompts before tokenizing them", parse=parse_size)
 
 
@@ -210,8 +275,9 @@ class UpOptions:
 
     prefill_workers: int = option(1, "prefill worker processes")
     decode_workers: int = option(1, "decode worker processes")
-    colocated: bool = option(False, "no disaggregation: --decode-workers workers that each prefill and decode "
-                             "themselves")
+    colocated: bool = option(
+        False, "no disaggregation: --decode-workers workers that each prefill and decode themselves"
+    )
     prefill_port: int = option(50061, "first prefill worker's port (the others take the next ones)")
     decode_port: int = option(50071, "first decode worker's port (the others take the next ones)")
     prompt: str | None = option(None, "answer this prompt once the stack is up")

@@ -6,14 +6,15 @@ import argparse
 import asyncio
 import logging
 import socket
-
 from typing import TYPE_CHECKING
 
 from pdserve.cli.errors import CLIError
 from pdserve.cli.options import DecodeOptions, EngineOptions, LocalPrefillOptions, QueueOptions, from_args
 
 if TYPE_CHECKING:
+    from pdserve.decode_service.worker import DecodeWorker
     from pdserve.engine.config import EngineConfig
+    from pdserve.prefill_service.worker import PrefillWorker
 
 log = logging.getLogger("pdserve")
 
@@ -41,21 +42,32 @@ def engine_config(options: EngineOptions) -> EngineConfig:
 
     path, dtype = model_and_dtype(options.model, options.dtype)
     try:
-        layout = plan_kv_cache(ModelConfig.from_dir(Path(path)), parse_dtype(dtype), options.block_size,
-                               options.kv_cache_memory)
+        layout = plan_kv_cache(
+            ModelConfig.from_dir(Path(path)), parse_dtype(dtype), options.block_size, options.kv_cache_memory
+        )
     except ValueError as e:
         raise CLIError(str(e)) from None
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(options, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
     if layout.num_blocks < 2:
-        raise CLIError(f"--kv-cache-memory {options.kv_cache_memory} B holds {layout.num_blocks} KV block; "
-                       f"need at least 2 ({layout.block_nbytes} B each)")
-    return EngineConfig(model=path, dtype=dtype, block_size=options.block_size,
-                        kv_cache_memory=options.kv_cache_memory, max_num_seqs=options.max_num_seqs,
-                        max_num_batched_tokens=options.max_num_batched_tokens, max_model_len=options.max_model_len,
-                        enable_prefix_caching=options.prefix_caching, num_threads=options.threads,
-                        attention_backend=options.attention_backend, device=options.device)
+        raise CLIError(
+            f"--kv-cache-memory {options.kv_cache_memory} B holds {layout.num_blocks} KV block; "
+            f"need at least 2 ({layout.block_nbytes} B each)"
+        )
+    return EngineConfig(
+        model=path,
+        dtype=dtype,
+        block_size=options.block_size,
+        kv_cache_memory=options.kv_cache_memory,
+        max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        max_model_len=options.max_model_len,
+        enable_prefix_caching=options.prefix_caching,
+        num_threads=options.threads,
+        attention_backend=options.attention_backend,
+        device=options.device,
+    )
 
 
 def routable(host: str) -> str:
@@ -80,8 +92,12 @@ def tls_config(args: argparse.Namespace):
     """The TLS files the flags name (None when TLS is off), checked before anything starts."""
     from pdserve.security import TLSConfig
 
-    tls = TLSConfig(getattr(args, "tls_cert", None), getattr(args, "tls_key", None), getattr(args, "tls_ca", None),
-                    getattr(args, "tls_server_name", None))
+    tls = TLSConfig(
+        getattr(args, "tls_cert", None),
+        getattr(args, "tls_key", None),
+        getattr(args, "tls_ca", None),
+        getattr(args, "tls_server_name", None),
+    )
     try:
         tls.check()
     except ValueError as e:
@@ -104,8 +120,9 @@ def _metrics_server(args: argparse.Namespace, registry):
     try:
         server = MetricsServer(registry, args.metrics_host or args.host, args.metrics_port).start()
     except OSError as e:
-        raise CLIError(f"cannot serve /metrics on {args.metrics_host or args.host}:{args.metrics_port}: "
-                       f"{e.strerror or e}") from None
+        raise CLIError(
+            f"cannot serve /metrics on {args.metrics_host or args.host}:{args.metrics_port}: {e.strerror or e}"
+        ) from None
     log.info("metrics on %s", server.url)
     return server
 
@@ -126,24 +143,35 @@ def cmd_worker(args: argparse.Namespace) -> int:
     async def main() -> int:
         tracing = _tracing(args)
         clients = None
+        worker: PrefillWorker | DecodeWorker
         if args.command == "prefill":
-            from pdserve.prefill_service.server import serve
+            from pdserve.prefill_service.server import serve as serve_prefill
 
-            running, worker = await serve(cfg, args.host, args.port, args.kv_transport, tracing=tracing,
-                                          reflection=args.reflection, tls=tls)
+            running, worker = await serve_prefill(
+                cfg, args.host, args.port, args.kv_transport, tracing=tracing, reflection=args.reflection, tls=tls
+            )
         else:
-            from pdserve.decode_service.server import serve
+            from pdserve.decode_service.server import serve as serve_decode
 
             colocated = args.command == "colocated"
             decode = DecodeOptions() if colocated else from_args(DecodeOptions, args)
             local = LocalPrefillOptions(0) if colocated else from_args(LocalPrefillOptions, args)
-            running, worker, clients = await serve(
-                cfg, args.host, args.port, args.kv_transport, "" if colocated else routable(decode.kv_host or args.host),
-                kv_port=decode.kv_port, max_queued=from_args(QueueOptions, args).max_queued, tracing=tracing,
-                colocated=colocated, reflection=args.reflection, tls=tls,
+            running, worker, clients = await serve_decode(
+                cfg,
+                args.host,
+                args.port,
+                args.kv_transport,
+                "" if colocated else routable(decode.kv_host or args.host),
+                kv_port=decode.kv_port,
+                max_queued=from_args(QueueOptions, args).max_queued,
+                tracing=tracing,
+                colocated=colocated,
+                reflection=args.reflection,
+                tls=tls,
                 allowed_prefill=[a for a in decode.prefill.split(",") if a],
                 local_prefill_max_tokens=local.local_prefill_max_tokens,
-                threads_while_prefilling=decode.threads_while_prefilling)
+                threads_while_prefilling=decode.threads_while_prefilling,
+            )
         metrics = _metrics_server(args, worker.metrics.registry)
         print(f"pdserve {args.command} ready on {args.host}:{running.port}", flush=True)
 
@@ -187,13 +215,29 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
         tracing, gateway_metrics = _tracing(args), GatewayMetrics()
         running, router, request_path, http = await serve(
-            path, args.host, args.port, prefill, decode, args.ready_timeout, tracing=tracing, metrics=gateway_metrics,
-            discover=args.discover, poll_interval=args.poll_interval, tls=tls, api_key=args.api_key,
-            max_prompt_bytes=args.max_prompt_bytes, http_host=args.http_host, http_port=args.http_port,
-            kv_aware=args.routing == "kv-aware", overlap_weight=args.overlap_weight)
+            path,
+            args.host,
+            args.port,
+            prefill,
+            decode,
+            args.ready_timeout,
+            tracing=tracing,
+            metrics=gateway_metrics,
+            discover=args.discover,
+            poll_interval=args.poll_interval,
+            tls=tls,
+            api_key=args.api_key,
+            max_prompt_bytes=args.max_prompt_bytes,
+            http_host=args.http_host,
+            http_port=args.http_port,
+            kv_aware=args.routing == "kv-aware",
+            overlap_weight=args.overlap_weight,
+        )
         metrics = _metrics_server(args, gateway_metrics.registry)
-        print(f"pdserve gateway ready on {args.host}:{running.port}" +
-              (f", OpenAI API on {http.url}" if http else ""), flush=True)
+        print(
+            f"pdserve gateway ready on {args.host}:{running.port}" + (f", OpenAI API on {http.url}" if http else ""),
+            flush=True,
+        )
 
         async def stop() -> None:
             if http is not None:

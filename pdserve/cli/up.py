@@ -57,17 +57,21 @@ def _check_ports_free(host: str, ports: list[tuple[str, int]]) -> None:
     seen: dict[int, str] = {}
     for what, port in ports:
         if port in seen:
-            raise CLIError(f"the {what} port {port} is also the {seen[port]} port; pick ports that do not overlap "
-                           "(--port, --prefill-port, --decode-port, --metrics-port; workers take consecutive ports)")
+            raise CLIError(
+                f"the {what} port {port} is also the {seen[port]} port; pick ports that do not overlap "
+                "(--port, --prefill-port, --decode-port, --metrics-port; workers take consecutive ports)"
+            )
         seen[port] = what
     for what, port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError as e:
-                raise CLIError(f"{what} port {host}:{port} is not free ({e.strerror}); is another stack running? "
-                               "Stop it, or pick other ports (--port, --prefill-port, --decode-port, "
-                               "--metrics-port)") from None
+                raise CLIError(
+                    f"{what} port {host}:{port} is not free ({e.strerror}); is another stack running? "
+                    "Stop it, or pick other ports (--port, --prefill-port, --decode-port, "
+                    "--metrics-port)"
+                ) from None
 
 
 async def _wait_serving(services: list[Service], timeout: float, tls=None) -> None:
@@ -82,8 +86,9 @@ async def _wait_serving(services: list[Service], timeout: float, tls=None) -> No
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 if service.proc.poll() is not None:
-                    raise CLIError(f"{service} exited during start-up with status {service.proc.returncode} "
-                                   "(its log is above)")
+                    raise CLIError(
+                        f"{service} exited during start-up with status {service.proc.returncode} (its log is above)"
+                    )
                 try:
                     resp = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:
@@ -111,14 +116,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     workers = up.prefill_workers + up.decode_workers
     prefill = [f"{args.host}:{up.prefill_port + i}" for i in range(up.prefill_workers)]
     decode = [f"{args.host}:{up.decode_port + i}" for i in range(up.decode_workers)]
-    metric_ports = (list(range(observe.metrics_port, observe.metrics_port + 1 + workers))
-                    if observe.metrics_port >= 0 else [])
+    metric_ports = (
+        list(range(observe.metrics_port, observe.metrics_port + 1 + workers)) if observe.metrics_port >= 0 else []
+    )
     http = from_args(HTTPOptions, args)
-    _check_ports_free(args.host, [("gateway", args.port)] + ([("HTTP API", http.http_port)] if http.http_port >= 0
-                                                             else [])
-                      + [("prefill worker", int(a.rsplit(":", 1)[1])) for a in prefill]
-                      + [("decode worker", int(a.rsplit(":", 1)[1])) for a in decode]
-                      + [("metrics", p) for p in metric_ports])
+    _check_ports_free(
+        args.host,
+        [("gateway", args.port)]
+        + ([("HTTP API", http.http_port)] if http.http_port >= 0 else [])
+        + [("prefill worker", int(a.rsplit(":", 1)[1])) for a in prefill]
+        + [("decode worker", int(a.rsplit(":", 1)[1])) for a in decode]
+        + [("metrics", p) for p in metric_ports],
+    )
 
     exe = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level, "--log-format", args.log_format]
     # Prefill and decode workers share this machine's cores: decode workers get them all between them (prefill
@@ -161,36 +170,79 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         def worker_argv(role: str, address: str, threads: int) -> list[str]:
             host, port = address.rsplit(":", 1)
-            return [role, "--host", host, "--port", port, *to_argv(engine, threads=threads),
-                    *to_argv(observe, metrics_port=next(metrics)), *secure]
+            return [
+                role,
+                "--host",
+                host,
+                "--port",
+                port,
+                *to_argv(engine, threads=threads),
+                *to_argv(observe, metrics_port=next(metrics)),
+                *secure,
+            ]
 
         workers_up = [spawn("prefill worker", a, worker_argv("prefill", a, prefill_threads)) for a in prefill]
         own: list[str] = []
         if role == "decode":
             share = max(1, decode_threads - prefill_threads) if prefill_threads + decode_threads > cores else None
-            own = [*to_argv(DecodeOptions(prefill=",".join(prefill), threads_while_prefilling=share)),
-                   *to_argv(from_args(LocalPrefillOptions, args))]  # prefill on these cores too: make room for it
+            own = [
+                *to_argv(DecodeOptions(prefill=",".join(prefill), threads_while_prefilling=share)),
+                *to_argv(from_args(LocalPrefillOptions, args)),
+            ]  # prefill on these cores too: make room for it
         workers_up += [spawn(f"{role} worker", a, [*worker_argv(role, a, decode_threads), *own]) for a in decode]
         asyncio.run(_wait_serving(workers_up, timeout=600, tls=tls))
         gateway = f"{args.host}:{args.port}"
         key_env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None  # not on argv: ps shows it
-        spawn("gateway", gateway, ["gateway", "--model", engine.model, "--host", args.host, "--port", str(args.port),
-                                   "--prefill", ",".join(prefill), "--decode", ",".join(decode),
-                                   *to_argv(observe, metrics_port=metric_ports[0] if metric_ports else -1), *secure,
-                                   *to_argv(http), *to_argv(from_args(RoutingOptions, args))], key_env)
+        spawn(
+            "gateway",
+            gateway,
+            [
+                "gateway",
+                "--model",
+                engine.model,
+                "--host",
+                args.host,
+                "--port",
+                str(args.port),
+                "--prefill",
+                ",".join(prefill),
+                "--decode",
+                ",".join(decode),
+                *to_argv(observe, metrics_port=metric_ports[0] if metric_ports else -1),
+                *secure,
+                *to_argv(http),
+                *to_argv(from_args(RoutingOptions, args)),
+            ],
+            key_env,
+        )
         asyncio.run(_wait_serving(services[-1:], timeout=120, tls=tls))
-        print(f"pdserve is up: gateway {gateway}, prefill {prefill}, decode {decode} "
-              f"({time.perf_counter() - t0:.1f}s)", flush=True)
+        print(
+            f"pdserve is up: gateway {gateway}, prefill {prefill}, decode {decode} ({time.perf_counter() - t0:.1f}s)",
+            flush=True,
+        )
         if http.http_port >= 0:
             print(f"OpenAI-compatible API: http://{http.http_host or args.host}:{http.http_port}/v1", flush=True)
         if metric_ports:
-            print(f"metrics: http://{observe.metrics_host or args.host}:{metric_ports[0]}/metrics (gateway), "
-                  f"ports {metric_ports[1]}-{metric_ports[-1]} (prefill, then decode)", flush=True)
+            print(
+                f"metrics: http://{observe.metrics_host or args.host}:{metric_ports[0]}/metrics (gateway), "
+                f"ports {metric_ports[1]}-{metric_ports[-1]} (prefill, then decode)",
+                flush=True,
+            )
         if up.prompt:
-            ns = argparse.Namespace(prompt=up.prompt, max_tokens=256, temperature=0.0, top_p=None, seed=None,
-                                    stop=[], raw=False, api_key=args.api_key, tls_cert=args.tls_cert,
-                                    tls_key=args.tls_key, tls_ca=args.tls_ca,
-                                    tls_server_name=args.tls_server_name)
+            ns = argparse.Namespace(
+                prompt=up.prompt,
+                max_tokens=256,
+                temperature=0.0,
+                top_p=None,
+                seed=None,
+                stop=[],
+                raw=False,
+                api_key=args.api_key,
+                tls_cert=args.tls_cert,
+                tls_key=args.tls_key,
+                tls_ca=args.tls_ca,
+                tls_server_name=args.tls_server_name,
+            )
             asyncio.run(stream_completion(gateway, ns))
             print(f"[first answer {time.perf_counter() - t0:.1f}s after start]", file=sys.stderr)
             if up.exit_after_prompt:
@@ -199,8 +251,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         while True:
             exited = [s for s in services if s.proc.poll() is not None]
             if exited:
-                raise CLIError("; ".join(f"{s} exited with status {s.proc.returncode}" for s in exited) +
-                               "; stopped the stack")
+                raise CLIError(
+                    "; ".join(f"{s} exited with status {s.proc.returncode}" for s in exited) + "; stopped the stack"
+                )
             time.sleep(0.5)
     finally:
         for sig in (signal.SIGTERM, signal.SIGHUP):
