@@ -19,17 +19,17 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
+from pdserve.engine.sampling_params import InvalidParameter
 from pdserve.failure import FAILED_ADDRESS, FAILED_PARTY, INVALID_PARAMETER
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.observe import RequestWatch
 from pdserve.gateway.router import NoWorkerAvailable, RouteLease, Router, WorkerHandle
 from pdserve.gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
 from pdserve.gateway.tokenizer import Tokenizer
-from pdserve.logs import REQUEST_LOGGER
 from pdserve.protos import common_pb2, worker_pb2
+from pdserve.wire import sampling_from_proto
 
 log = logging.getLogger(__name__)
-request_log = logging.getLogger(REQUEST_LOGGER)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 MAX_STOP_STRINGS = 16
@@ -133,6 +133,10 @@ class RequestPath:
                 "stop",
                 f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LENGTH} characters",
             )
+        try:  # the engine's own rules, here before any work is done (the workers, which know the model, recheck)
+            sampling_from_proto(req.sampling).validate()
+        except InvalidParameter as e:
+            raise invalid(e.param, str(e)) from None
 
     async def prompt_ids(self, req: GenerationRequest) -> list[int]:
         self.check(req)
