@@ -100,162 +100,196 @@ async def _wait_serving(services: list[Service], timeout: float, tls=None) -> No
                 await asyncio.sleep(0.3)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    from pdserve.engine.model_store import needs_conversion
+@dataclass
+class Child:
+    """One process of the stack: what it is, where it listens, and its `pdserve` arguments."""
 
+    role: str
+    address: str
+    argv: list[str]
+    env: dict[str, str] | None = None
+
+
+@dataclass
+class StackPlan:
+    workers: list[Child]
+    gateway: Child
+    ports: list[tuple[str, int]]  # (what, port): every port the stack will bind, checked before anything starts
+    metric_ports: list[int]
+
+
+def _threads(engine: EngineOptions, up: UpOptions) -> tuple[int, int, int]:
+    """(cores, prefill threads, decode threads). Prefill and decode workers share this machine's cores: decode
+    workers get them all between them (prefill comes in bursts, and a decode step is latency-bound), prefill
+    workers half, so that when both run, fewer OpenMP threads than twice the cores fight over them. On 2 cores
+    (c=1 / 8 / 32, tok/s): one thread each 60.7 / 256 / 472, two each 77.9 / 174 / 425, prefill one and decode
+    two 70.0 / 287 / 476."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    prefill = engine.threads or max(1, cores // 2 // max(1, up.prefill_workers))
+    decode = engine.threads or max(1, cores // up.decode_workers)
+    return cores, prefill, decode
+
+
+def plan_stack(args: argparse.Namespace) -> StackPlan:
+    """Every child's arguments, from the same option dataclasses the parser was built from."""
     engine, up = from_args(EngineOptions, args), from_args(UpOptions, args)
-    observe, tls_options = from_args(ObservabilityOptions, args), from_args(TLSOptions, args)
-    if needs_conversion(engine.model):
-        print("pdserve up: converting the model for first use (once; about 20 s)...", file=sys.stderr, flush=True)
-    engine_config(engine)  # the model, dtype and KV budget are checked here, before any process starts
-    tls = tls_config(args)
+    observe, http = from_args(ObservabilityOptions, args), from_args(HTTPOptions, args)
+    secure = to_argv(from_args(TLSOptions, args))
     if up.colocated:
         up.prefill_workers = 0
     if up.decode_workers < 1 or up.prefill_workers < 0:
         raise CLIError("--decode-workers must be >= 1 and --prefill-workers >= 0")
-    workers = up.prefill_workers + up.decode_workers
     prefill = [f"{args.host}:{up.prefill_port + i}" for i in range(up.prefill_workers)]
     decode = [f"{args.host}:{up.decode_port + i}" for i in range(up.decode_workers)]
-    metric_ports = (
-        list(range(observe.metrics_port, observe.metrics_port + 1 + workers)) if observe.metrics_port >= 0 else []
-    )
-    http = from_args(HTTPOptions, args)
-    _check_ports_free(
-        args.host,
-        [("gateway", args.port)]
-        + ([("HTTP API", http.http_port)] if http.http_port >= 0 else [])
-        + [("prefill worker", int(a.rsplit(":", 1)[1])) for a in prefill]
-        + [("decode worker", int(a.rsplit(":", 1)[1])) for a in decode]
-        + [("metrics", p) for p in metric_ports],
-    )
+    n = len(prefill) + len(decode)
+    metric_ports = list(range(observe.metrics_port, observe.metrics_port + 1 + n)) if observe.metrics_port >= 0 else []
+    metrics = iter(metric_ports[1:] + [-1] * (1 + n))
+    cores, prefill_threads, decode_threads = _threads(engine, up)
 
-    exe = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level, "--log-format", args.log_format]
-    # Prefill and decode workers share this machine's cores: decode workers get them all between them (prefill
-    # comes in bursts, and a decode step is latency-bound), prefill workers half, so that when both run, fewer
-    # OpenMP threads than twice the cores fight over them. On 2 cores (c=1 / 8 / 32, tok/s): one thread each
-    # 60.7 / 256 / 472, two each 77.9 / 174 / 425, prefill one and decode two 70.0 / 287 / 476.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    prefill_threads = engine.threads or max(1, cores // 2 // max(1, up.prefill_workers))
-    decode_threads = engine.threads or max(1, cores // up.decode_workers)
-    secure = to_argv(tls_options)
-    metrics = iter(metric_ports[1:] + [-1] * (1 + workers))
-    services: list[Service] = []
+    def worker(role: str, address: str, threads: int, *own: str) -> Child:
+        host, port = address.rsplit(":", 1)
+        argv = [role, "--host", host, "--port", port, *to_argv(engine, threads=threads)]
+        return Child(f"{role} worker", address, [*argv, *to_argv(observe, metrics_port=next(metrics)), *secure, *own])
 
-    def spawn(role: str, address: str, argv: list[str], env: dict | None = None) -> Service:
-        proc = subprocess.Popen([*exe, *argv], preexec_fn=_die_with_parent, env=env)
-        services.append(Service(role, address, proc))
-        return services[-1]
+    role, own = "colocated", []
+    if not up.colocated:
+        # a prefill worker on the same cores: the decode workers make room for it while it computes
+        share = max(1, decode_threads - prefill_threads) if prefill_threads + decode_threads > cores else None
+        role = "decode"
+        own = to_argv(DecodeOptions(prefill=",".join(prefill), threads_while_prefilling=share))
+        own += to_argv(from_args(LocalPrefillOptions, args))
+    workers = [worker("prefill", a, prefill_threads) for a in prefill]
+    workers += [worker(role, a, decode_threads, *own) for a in decode]
+    gateway = Child(
+        "gateway",
+        f"{args.host}:{args.port}",
+        [
+            "gateway",
+            "--model",
+            engine.model,
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
+            "--prefill",
+            ",".join(prefill),
+            "--decode",
+            ",".join(decode),
+            *to_argv(observe, metrics_port=metric_ports[0] if metric_ports else -1),
+            *secure,
+            *to_argv(http),
+            *to_argv(from_args(RoutingOptions, args)),
+        ],
+        {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None,
+    )  # not on argv: ps shows it
+    ports = [("gateway", args.port)] + ([("HTTP API", http.http_port)] if http.http_port >= 0 else [])
+    ports += [(c.role, int(c.address.rsplit(":", 1)[1])) for c in workers]
+    ports += [("metrics", p) for p in metric_ports]
+    return StackPlan(workers, gateway, ports, metric_ports)
 
-    def stop_all() -> None:
+
+class _Processes:
+    """The children this command started; `stop` ends them all, gateway first."""
+
+    def __init__(self, exe: list[str]) -> None:
+        self.exe = exe
+        self.services: list[Service] = []
+
+    def spawn(self, child: Child) -> Service:
+        proc = subprocess.Popen([*self.exe, *child.argv], preexec_fn=_die_with_parent, env=child.env)
+        self.services.append(Service(child.role, child.address, proc))
+        return self.services[-1]
+
+    def check_running(self) -> None:
+        exited = [s for s in self.services if s.proc.poll() is not None]
+        if exited:
+            raise CLIError(
+                "; ".join(f"{s} exited with status {s.proc.returncode}" for s in exited) + "; stopped the stack"
+            )
+
+    def stop(self) -> None:
         """Gateway first (no new requests), then the workers, all draining in parallel."""
-        for s in reversed(services):
+        for s in reversed(self.services):
             if s.proc.poll() is None:
                 s.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 45
-        for s in services:
+        for s in self.services:
             try:
                 s.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 s.proc.kill()
                 s.proc.wait()
 
-    def on_signal(signum, _frame) -> None:
-        raise SystemExit(0)
 
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.engine.model_store import needs_conversion
+
+    engine, up = from_args(EngineOptions, args), from_args(UpOptions, args)
+    if needs_conversion(engine.model):
+        print("pdserve up: converting the model for first use (once; about 20 s)...", file=sys.stderr, flush=True)
+    engine_config(engine)  # the model, dtype and KV budget are checked here, before any process starts
+    tls = tls_config(args)
+    plan = plan_stack(args)
+    _check_ports_free(args.host, plan.ports)
+    children = _Processes(
+        [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level, "--log-format", args.log_format]
+    )
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
+        signal.signal(sig, _raise_exit)
     t0 = time.perf_counter()
     try:
-        role = "colocated" if up.colocated else "decode"
-
-        def worker_argv(role: str, address: str, threads: int) -> list[str]:
-            host, port = address.rsplit(":", 1)
-            return [
-                role,
-                "--host",
-                host,
-                "--port",
-                port,
-                *to_argv(engine, threads=threads),
-                *to_argv(observe, metrics_port=next(metrics)),
-                *secure,
-            ]
-
-        workers_up = [spawn("prefill worker", a, worker_argv("prefill", a, prefill_threads)) for a in prefill]
-        own: list[str] = []
-        if role == "decode":
-            share = max(1, decode_threads - prefill_threads) if prefill_threads + decode_threads > cores else None
-            own = [
-                *to_argv(DecodeOptions(prefill=",".join(prefill), threads_while_prefilling=share)),
-                *to_argv(from_args(LocalPrefillOptions, args)),
-            ]  # prefill on these cores too: make room for it
-        workers_up += [spawn(f"{role} worker", a, [*worker_argv(role, a, decode_threads), *own]) for a in decode]
-        asyncio.run(_wait_serving(workers_up, timeout=600, tls=tls))
-        gateway = f"{args.host}:{args.port}"
-        key_env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None  # not on argv: ps shows it
-        spawn(
-            "gateway",
-            gateway,
-            [
-                "gateway",
-                "--model",
-                engine.model,
-                "--host",
-                args.host,
-                "--port",
-                str(args.port),
-                "--prefill",
-                ",".join(prefill),
-                "--decode",
-                ",".join(decode),
-                *to_argv(observe, metrics_port=metric_ports[0] if metric_ports else -1),
-                *secure,
-                *to_argv(http),
-                *to_argv(from_args(RoutingOptions, args)),
-            ],
-            key_env,
-        )
-        asyncio.run(_wait_serving(services[-1:], timeout=120, tls=tls))
-        print(
-            f"pdserve is up: gateway {gateway}, prefill {prefill}, decode {decode} ({time.perf_counter() - t0:.1f}s)",
-            flush=True,
-        )
-        if http.http_port >= 0:
-            print(f"OpenAI-compatible API: http://{http.http_host or args.host}:{http.http_port}/v1", flush=True)
-        if metric_ports:
-            print(
-                f"metrics: http://{observe.metrics_host or args.host}:{metric_ports[0]}/metrics (gateway), "
-                f"ports {metric_ports[1]}-{metric_ports[-1]} (prefill, then decode)",
-                flush=True,
-            )
+        asyncio.run(_wait_serving([children.spawn(c) for c in plan.workers], timeout=600, tls=tls))
+        asyncio.run(_wait_serving([children.spawn(plan.gateway)], timeout=120, tls=tls))
+        _say_up(args, plan, time.perf_counter() - t0)
         if up.prompt:
-            ns = argparse.Namespace(
-                prompt=up.prompt,
-                max_tokens=256,
-                temperature=0.0,
-                top_p=None,
-                seed=None,
-                stop=[],
-                raw=False,
-                api_key=args.api_key,
-                tls_cert=args.tls_cert,
-                tls_key=args.tls_key,
-                tls_ca=args.tls_ca,
-                tls_server_name=args.tls_server_name,
-            )
-            asyncio.run(stream_completion(gateway, ns))
+            asyncio.run(stream_completion(plan.gateway.address, _prompt_args(args, up.prompt)))
             print(f"[first answer {time.perf_counter() - t0:.1f}s after start]", file=sys.stderr)
             if up.exit_after_prompt:
                 return 0
         print("serving; Ctrl-C stops", flush=True)
         while True:
-            exited = [s for s in services if s.proc.poll() is not None]
-            if exited:
-                raise CLIError(
-                    "; ".join(f"{s} exited with status {s.proc.returncode}" for s in exited) + "; stopped the stack"
-                )
+            children.check_running()
             time.sleep(0.5)
     finally:
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
-        stop_all()
+        children.stop()
+
+
+def _say_up(args: argparse.Namespace, plan: StackPlan, seconds: float) -> None:
+    prefill = [c.address for c in plan.workers if c.role == "prefill worker"]
+    decode = [c.address for c in plan.workers if c.role != "prefill worker"]
+    print(
+        f"pdserve is up: gateway {plan.gateway.address}, prefill {prefill}, decode {decode} ({seconds:.1f}s)",
+        flush=True,
+    )
+    http = from_args(HTTPOptions, args)
+    if http.http_port >= 0:
+        print(f"OpenAI-compatible API: http://{http.http_host or args.host}:{http.http_port}/v1", flush=True)
+    if plan.metric_ports:
+        ports = plan.metric_ports
+        print(
+            f"metrics: http://{args.metrics_host or args.host}:{ports[0]}/metrics (gateway), "
+            f"ports {ports[1]}-{ports[-1]} (prefill, then decode)",
+            flush=True,
+        )
+
+
+def _prompt_args(args: argparse.Namespace, prompt: str) -> argparse.Namespace:
+    """What `pdserve generate` would be given for the answer `up --prompt` prints."""
+    tls = from_args(TLSOptions, args)
+    return argparse.Namespace(
+        prompt=prompt,
+        max_tokens=256,
+        temperature=0.0,
+        top_p=None,
+        seed=None,
+        stop=[],
+        raw=False,
+        api_key=args.api_key,
+        **vars(tls),
+    )
