@@ -19,7 +19,7 @@ from pdserve.engine.model import LlamaForCausalLM, load_model
 from pdserve.engine.model_store import cache_dir, resolve_model
 from pdserve.engine.sampler import SampleOutput, Sampler, SamplingError
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.kernels import cpu_elementwise
+from pdserve.kernels import cpu_elementwise, cpu_isa
 from pdserve.kernels.kv_layout import KVLayout
 from pdserve.kernels.packed_linear import pack_linears
 
@@ -71,8 +71,16 @@ class ModelRunner:
             keep_freed_memory()
         model = model.to(device)
         packed = pack_linears(model)
+        if device.type == "cpu":
+            log.info("CPU level %s (%s)", cpu_isa.level(), f"capped by {cpu_isa.ENV}" if cpu_isa.cap() else "detected")
         if packed:
             log.info("packed %d linear weights for this CPU", packed)
+        elif device.type == "cpu" and dtype != torch.float32:
+            log.warning(
+                "this CPU has no native %s matrix unit for oneDNN: linear layers run on plain torch, "
+                "usually slower than --dtype float32 here",
+                str(dtype).removeprefix("torch."),
+            )
         if device.type == "cpu" and dtype == torch.bfloat16 and cfg.fused_elementwise:
             ops = cpu_elementwise.load(cache_dir() / "kernels")
             if ops is not None:

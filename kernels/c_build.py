@@ -2,9 +2,10 @@
 
 The kernels are plain C with OpenMP, so building one needs only `cc` (no torch headers, about a second). Each
 library is cached under the cache directory by a hash of its source, the flags, the compiler and this CPU, and
-built for this CPU (`-march=native`). Loaded into a process that runs torch, a library binds to the libgomp torch
-already loaded, so its threads are torch's own pool. Without a C compiler, `build` returns None and callers keep
-their torch paths.
+built for this CPU (`-march=native`, or the level `PDSERVE_CPU_ISA` caps it to: `kernels.cpu_isa`), never on
+another machine, so an image built elsewhere cannot carry instructions this CPU lacks. Loaded into a process that
+runs torch, a library binds to the libgomp torch already loaded, so its threads are torch's own pool. Without a C
+compiler, `build` returns None and callers keep their torch paths.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from pdserve.kernels import cpu_isa
+
 log = logging.getLogger(__name__)
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
+
+
+def flags() -> tuple[str, ...]:
+    return (*FLAGS, f"-march={cpu_isa.march()}")
 
 
 def _cpu_id() -> str:
@@ -41,7 +48,7 @@ def _compile(compiler: str, source: Path, target: Path, defines: tuple[str, ...]
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, *(f"-D{d}" for d in defines), str(source), "-o", tmp],
+            [compiler, *flags(), *(f"-D{d}" for d in defines), str(source), "-o", tmp],
             check=True,
             capture_output=True,
             text=True,
@@ -65,7 +72,7 @@ def build(source: Path, cache_dir: Path, defines: tuple[str, ...] = ()) -> ctype
         return None
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources may include
     key = hashlib.sha256(
-        "\0".join([source.read_text(), *headers, " ".join(FLAGS), *defines, compiler, _cpu_id()]).encode()
+        "\0".join([source.read_text(), *headers, " ".join(flags()), *defines, compiler, _cpu_id()]).encode()
     )
     name = f"{what}-{key.hexdigest()[:16]}.so"
     for root in (cache_dir, Path(tempfile.gettempdir()) / "pdserve-kernels"):

@@ -13,11 +13,15 @@ from torch import nn
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.bfloat16, torch.float16)
-        and torch.backends.mkldnn.is_available()
-    )
+    """oneDNN packs bf16 only where the CPU computes it (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX) and fp16 where
+    it has fp16 support; elsewhere it refuses, so those weights stay on plain `F.linear`."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if weight.dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
 
 
 class PackedLinear(nn.Module):

@@ -6,7 +6,12 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+from pdserve.kernels import cpu_isa
+
+cpu_isa.apply_cap()  # PDSERVE_CPU_ISA=avx2 make test: this machine runs the paths of an AVX2-only CPU, torch's too
+
+import torch  # noqa: E402
 
 # Triton reads TRITON_INTERPRET when a kernel is defined, once per process. Without CUDA the kernel tests run
 # through the interpreter; with CUDA it stays unset so every kernel runs compiled.

@@ -34,6 +34,7 @@ from pdserve.cli.options import (
 )
 from pdserve.cli.services import cmd_gateway, cmd_worker
 from pdserve.cli.up import cmd_up
+from pdserve.kernels import cpu_isa
 
 
 def _version() -> str:
@@ -190,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level, args.log_format, args.command)
+    try:
+        cpu_isa.apply_cap()  # before anything imports torch: its kernels read the cap once, at import
+    except ValueError as e:
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
     handlers = {
         "up": cmd_up,
