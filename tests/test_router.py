@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from pdserve.gateway.router import NoWorkerAvailable, RouteLease, Router, WorkerHandle
@@ -177,5 +178,47 @@ async def test_a_prompt_routed_during_a_poll_leaves_no_phantom_queue():
         assert p.queued_tokens == 408
         route.prefilled()
         assert p.queued_tokens == 0
+    finally:
+        await router.close()
+
+
+class _SlowStub:
+    """GetStats answers as scripted: a code raises that status, None answers."""
+
+    def __init__(self, script: list[grpc.StatusCode | None]) -> None:
+        self.script = script
+        self.timeouts: list[float] = []
+
+    async def GetStats(self, request, timeout: float):
+        self.timeouts.append(timeout)
+        code = self.script.pop(0)
+        if code is None:
+            return worker_pb2.WorkerStats(kv_blocks_total=100, block_size=16)
+        raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "scripted")
+
+
+async def test_a_slow_worker_stays_routable_until_it_misses_polls_in_a_row():
+    """A busy worker that answers its polls late is not taken for down after one slow poll (it was, mid-answer,
+    under load); it gets a longer deadline each time, and only MAX_MISSES in a row mark it down. A refusal
+    (UNAVAILABLE) marks it down at once."""
+    router = Router([], [f"127.0.0.1:{free_port()}"], poll_interval=1.0)
+    try:
+        (d,) = router.decode
+        D = grpc.StatusCode.DEADLINE_EXCEEDED
+        d.stub = stub = _SlowStub([None, D, D, None, D, D, D, None, grpc.StatusCode.UNAVAILABLE])
+        await router.poll()
+        assert d.healthy
+        await router.poll()
+        await router.poll()
+        assert d.healthy and d.misses == 2 and stub.timeouts == [1.0, 1.0, 2.0]
+        await router.poll()
+        assert d.healthy and d.misses == 0
+        for _ in range(3):
+            await router.poll()
+        assert not d.healthy and d.misses == 3
+        await router.poll()
+        assert d.healthy and d.misses == 0
+        await router.poll()
+        assert not d.healthy
     finally:
         await router.close()

@@ -61,6 +61,9 @@ def _generate_local(args: argparse.Namespace) -> int:
     from pdserve.gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
     from pdserve.gateway.tokenizer import Tokenizer
 
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p or 1.0, seed=args.seed
+    ).validate()  # before the model loads: a bad value costs nothing
     path, dtype = model_and_dtype(args.model, args.dtype)
     cfg = EngineConfig(model=path, dtype=dtype, kv_cache_memory=256 << 20, max_num_seqs=8, device=args.device)
     tokenizer = Tokenizer(Path(path))
@@ -70,13 +73,7 @@ def _generate_local(args: argparse.Namespace) -> int:
         if args.raw
         else tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     )
-    engine.add_request(
-        ids,
-        SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p or 1.0, seed=args.seed
-        ),
-        "cli",
-    )
+    engine.add_request(ids, params, "cli")
     detok, stops = IncrementalDetokenizer(tokenizer.hf), StopStringMatcher(args.stop)
     start, n = time.perf_counter(), 0
     while engine.has_work and not stops.stopped:

@@ -13,9 +13,12 @@ one line on stderr and a non-zero exit status, never a traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
 from importlib import metadata
+from typing import NoReturn
 
 from pdserve.cli.clients import cmd_bench, cmd_generate, cmd_health, cmd_traces
 from pdserve.cli.errors import CLIError
@@ -56,6 +59,40 @@ class _Help(argparse.HelpFormatter):
         if shown and action.option_strings and "%(default)" not in text:
             text += " (default: %(default)s)"
         return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a mistyped flag is reported by the subcommand it was meant for (its usage, not the top
+    level's) with the closest flags it has, and a mistyped command with the closest commands."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            sub = getattr(self, "commands", {}).get(getattr(ns, "command", ""), self)
+            flags = [s for a in sub._actions for s in a.option_strings]
+            hints = sorted(
+                {
+                    m
+                    for e in extras
+                    for m in difflib.get_close_matches(e.split("=")[0], flags, 3, 0.75)
+                    if e.startswith("-")
+                }
+            )
+            sub.error(
+                f"unrecognized arguments: {' '.join(extras)}"
+                + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+            )
+        return ns
+
+    def error(self, message: str) -> NoReturn:
+        match = re.search(r"invalid choice: '([^']*)'", message)
+        if match and getattr(self, "commands", None):
+            hints = difflib.get_close_matches(match.group(1), list(self.commands), 3, 0.5)
+            if hints:
+                message += f"; did you mean {' or '.join(hints)}?"
+        super().error(message)
 
 
 def _logging_args(p: argparse.ArgumentParser, suppress: bool) -> None:
@@ -105,9 +142,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pdserve", description="Disaggregated prefill/decode LLM serving", allow_abbrev=False
-    )
+    parser = _Parser(prog="pdserve", description="Disaggregated prefill/decode LLM serving", allow_abbrev=False)
+    parser.commands = {}
     parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     _logging_args(parser, suppress=False)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -115,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, allow_abbrev=False, formatter_class=_Help)
         _logging_args(p, suppress=True)
+        parser.commands[name] = p
         return p
 
     up = command("up", "start gateway + prefill + decode workers on this machine (runs in the foreground)")
@@ -185,11 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdserve.engine.sampling_params import InvalidParameter
     from pdserve.grpc_server import PortInUse
     from pdserve.kvtransfer.errors import ListenFailed
     from pdserve.logs import configure_logging
 
     args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    args.log_level_given = "PDSERVE_LOG_LEVEL" in os.environ or any(a.startswith("--log-level") for a in given)
     configure_logging(args.log_level, args.log_format, args.command)
     try:
         cpu_isa.apply_cap()  # before anything imports torch: its kernels read the cap once, at import
@@ -213,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    except (CLIError, PortInUse, ListenFailed, FileNotFoundError) as e:
+    except (CLIError, PortInUse, ListenFailed, FileNotFoundError, InvalidParameter) as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 1
 

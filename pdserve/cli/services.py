@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.cli.errors import CLIError
@@ -32,11 +33,33 @@ def model_and_dtype(model: str, dtype: str) -> tuple[str, str]:
     return str(path), dtype
 
 
-def engine_config(options: EngineOptions) -> EngineConfig:
-    """The engine configuration the flags describe, checked before any weights load: a budget that holds no
-    KV block, a bad dtype or block size fail here, in one line."""
-    from pathlib import Path
+def available_memory() -> int | None:
+    """Bytes this process can still get: the kernel's MemAvailable, lowered to the cgroup's limit if there is one
+    (a container); None where neither can be read."""
+    found: list[int] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
+        pass
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            text = Path(limit).read_text().strip()
+            if text != "max" and int(text) < 1 << 60:
+                found.append(int(text) - int(Path(usage).read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
 
+
+def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
+    """The engine configuration the flags describe, checked before any weights load: a budget that holds no
+    KV block or more than this machine has free (for `copies` workers), a bad dtype, block size or context
+    length fail here, in one line."""
     from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
     from pdserve.engine.kv_cache import plan_kv_cache
 
@@ -47,9 +70,18 @@ def engine_config(options: EngineOptions) -> EngineConfig:
         )
     except ValueError as e:
         raise CLIError(str(e)) from None
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         if getattr(options, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
+    if options.max_model_len is not None and options.max_model_len < 1:
+        raise CLIError("--max-model-len must be >= 1 (leave it out for the model's own context length)")
+    free = available_memory()
+    if free is not None and options.kv_cache_memory * copies > free:
+        each = f"{copies} workers x " if copies > 1 else ""
+        raise CLIError(
+            f"--kv-cache-memory {each}{options.kv_cache_memory / 2**30:.1f} GiB is more than the "
+            f"{free / 2**30:.1f} GiB of memory free here; ask for less (e.g. --kv-cache-memory 512M)"
+        )
     if layout.num_blocks < 2:
         raise CLIError(
             f"--kv-cache-memory {options.kv_cache_memory} B holds {layout.num_blocks} KV block; "

@@ -53,24 +53,29 @@ class Service:
         return f"the {self.role} on {self.address}"
 
 
+PORT_FLAGS = "--port, --http-port, --prefill-port, --decode-port, --metrics-port"
+
+
 def _check_ports_free(host: str, ports: list[tuple[str, int]]) -> None:
+    """One line naming the port and its flag when a port is taken. Sockets in TIME_WAIT, which a stack that just
+    stopped leaves behind, do not count: every server here binds with SO_REUSEADDR, and so does this check."""
     seen: dict[int, str] = {}
     for what, port in ports:
         if port in seen:
             raise CLIError(
                 f"the {what} port {port} is also the {seen[port]} port; pick ports that do not overlap "
-                "(--port, --prefill-port, --decode-port, --metrics-port; workers take consecutive ports)"
+                f"({PORT_FLAGS}; workers take consecutive ports)"
             )
         seen[port] = what
     for what, port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError as e:
                 raise CLIError(
                     f"{what} port {host}:{port} is not free ({e.strerror}); is another stack running? "
-                    "Stop it, or pick other ports (--port, --prefill-port, --decode-port, "
-                    "--metrics-port)"
+                    f"Stop it, or pick other ports ({PORT_FLAGS})"
                 ) from None
 
 
@@ -196,7 +201,11 @@ class _Processes:
         self.services: list[Service] = []
 
     def spawn(self, child: Child) -> Service:
-        proc = subprocess.Popen([*self.exe, *child.argv], preexec_fn=_die_with_parent, env=child.env)
+        # a session of its own: Ctrl-C in the terminal reaches only this process, which stops the children in
+        # order (they still get SIGTERM if this process dies: _die_with_parent)
+        proc = subprocess.Popen(
+            [*self.exe, *child.argv], preexec_fn=_die_with_parent, env=child.env, start_new_session=True
+        )
         self.services.append(Service(child.role, child.address, proc))
         return self.services[-1]
 
@@ -231,13 +240,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     engine, up = from_args(EngineOptions, args), from_args(UpOptions, args)
     if needs_conversion(engine.model):
         print("pdserve up: converting the model for first use (once; about 20 s)...", file=sys.stderr, flush=True)
-    engine_config(engine)  # the model, dtype and KV budget are checked here, before any process starts
-    tls = tls_config(args)
     plan = plan_stack(args)
+    engine_config(engine, copies=len(plan.workers))  # model, dtype, KV budget: checked before anything starts
+    tls = tls_config(args)
     _check_ports_free(args.host, plan.ports)
-    children = _Processes(
-        [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level, "--log-format", args.log_format]
-    )
+    # an answer on this terminal (--prompt) is not interleaved with the services' INFO lines, unless asked for
+    level = args.log_level if up.prompt is None or getattr(args, "log_level_given", True) else "WARNING"
+    children = _Processes([sys.executable, "-m", "pdserve.cli", "--log-level", level, "--log-format", args.log_format])
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_exit)
     t0 = time.perf_counter()
@@ -272,9 +281,10 @@ def _say_up(args: argparse.Namespace, plan: StackPlan, seconds: float) -> None:
         print(f"OpenAI-compatible API: http://{http.http_host or args.host}:{http.http_port}/v1", flush=True)
     if plan.metric_ports:
         ports = plan.metric_ports
+        roles = " and ".join(f"{role}s" for role in dict.fromkeys(c.role for c in plan.workers))
+        span = f"port {ports[1]}" if len(ports) == 2 else f"ports {ports[1]}-{ports[-1]}"
         print(
-            f"metrics: http://{args.metrics_host or args.host}:{ports[0]}/metrics (gateway), "
-            f"ports {ports[1]}-{ports[-1]} (prefill, then decode)",
+            f"metrics: http://{args.metrics_host or args.host}:{ports[0]}/metrics (gateway), {span} ({roles})",
             flush=True,
         )
 
