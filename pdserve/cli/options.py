@@ -206,7 +206,7 @@ class RoutingOptions:
     overlap_weight: float = option(1.0, "kv-aware score: overlap_weight * cached blocks - queued tokens / block size")
 
 
-# prompts up to this many tokens are prefilled on the decode worker: measured on CPU (README, "Routing"), local
+# prompts up to this many tokens are prefilled on the decode worker: measured on CPU (docs/ARCHITECTURE.md, "Routing"), local
 # prefill won below ~128-256 tokens and lost at 256 and above
 LOCAL_PREFILL_DEFAULT = 128
 
