@@ -56,7 +56,7 @@ class _Help(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         shown = action.default not in (None, False, argparse.SUPPRESS, [])
-        if shown and action.option_strings and "%(default)" not in text:
+        if shown and action.option_strings and "(default" not in text:
             text += " (default: %(default)s)"
         return text
 

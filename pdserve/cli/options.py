@@ -30,6 +30,14 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a size (e.g. 512M, 2G)") from None
 
 
+def format_size(n: int) -> str:
+    """536870912 -> '512M': the form parse_size reads."""
+    for unit, size in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
 def option(
     default: Any,
     help: str,
@@ -66,9 +74,12 @@ def add_options(parser: argparse.ArgumentParser, cls: type, **defaults: Any) -> 
         raw = next((os.environ[name] for name in meta["env"] if os.environ.get(name)), None)
         if raw is not None:
             default = raw == "1" if kind is bool else (meta["parse"] or kind)(raw)
+        help = meta["help"]
+        if meta["parse"] is parse_size and isinstance(default, int):
+            help += f" (default: {format_size(default)})"
         if kind is bool:
             action = "store_false" if meta["negate"] else "store_true"
-            parser.add_argument(_flag(f), dest=f.name, action=action, default=default, help=meta["help"])
+            parser.add_argument(_flag(f), dest=f.name, action=action, default=default, help=help)
             continue
         parser.add_argument(
             _flag(f),
@@ -76,7 +87,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type, **defaults: Any) -> 
             type=meta["parse"] or kind,
             default=default,
             choices=meta["choices"] or None,
-            help=meta["help"],
+            help=help,
         )
 
 
@@ -206,8 +217,8 @@ class RoutingOptions:
     overlap_weight: float = option(1.0, "kv-aware score: overlap_weight * cached blocks - queued tokens / block size")
 
 
-# prompts up to this many tokens are prefilled on the decode worker: measured on CPU (docs/ARCHITECTURE.md, "Routing"), local
-# prefill won below ~128-256 tokens and lost at 256 and above
+# prompts up to this many tokens are prefilled on the decode worker: measured on CPU (docs/ARCHITECTURE.md,
+# "Routing"), local prefill won below ~128-256 tokens and lost at 256 and above
 LOCAL_PREFILL_DEFAULT = 128
 
 
