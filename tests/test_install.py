@@ -50,8 +50,26 @@ def test_dependencies_resolve_on_plain_pypi(tmp_path):
 def test_the_wheel_installs_only_the_pdserve_namespace(tmp_path):
     """site-packages gains `pdserve` and nothing else: no top-level `engine`, `cli`, `gateway`, ... to collide with
     other packages; the folders install as pdserve.<folder>, with the kernels' C sources and the .proto files."""
+    import shutil
     import zipfile
 
+    src = tmp_path / "src"  # a copy: setuptools builds in the source tree, and the checkout stays clean
+    skip = shutil.ignore_patterns(
+        ".git",
+        "build",
+        "*.egg-info",
+        "__pycache__",
+        ".make",
+        ".venv",
+        ".*cache",
+        ".hypothesis",
+        ".benchmarks",
+        "tests",
+        "k8s",
+        "compose",
+        "results",
+    )
+    shutil.copytree(ROOT, src, symlinks=True, ignore=skip)
     proc = subprocess.run(
         [
             sys.executable,
@@ -63,8 +81,9 @@ def test_the_wheel_installs_only_the_pdserve_namespace(tmp_path):
             "-q",
             "-w",
             str(tmp_path),
-            str(ROOT),
+            str(src),
         ],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=600,
