@@ -201,11 +201,11 @@ class _Processes:
         self.services: list[Service] = []
 
     def spawn(self, child: Child) -> Service:
-        # a session of its own: Ctrl-C in the terminal reaches only this process, which stops the children in
-        # order (they still get SIGTERM if this process dies: _die_with_parent)
-        proc = subprocess.Popen(
-            [*self.exe, *child.argv], preexec_fn=_die_with_parent, env=child.env, start_new_session=True
-        )
+        # a process group of its own: Ctrl-C in the terminal reaches only this process, which stops the children
+        # in order (they still get SIGTERM if this process dies: _die_with_parent). Not a session of its own: the
+        # kernel's autogroup scheduler would then split the cores per child, not per thread (measured: TTFT at
+        # c=8 1.05-1.2 s instead of 0.4-0.9 s)
+        proc = subprocess.Popen([*self.exe, *child.argv], preexec_fn=_die_with_parent, env=child.env, process_group=0)
         self.services.append(Service(child.role, child.address, proc))
         return self.services[-1]
 
