@@ -40,7 +40,7 @@ PDSERVE=($PY -m pdserve.cli)
 # the model: the built-in one where it is installed, else a random-weight twin of it (see gpu_wheels.sh)
 MODEL=${MODEL:-}
 if [ -z "$MODEL" ]; then
-    if $PY -c "from engine.model_store import resolve_model; resolve_model(None)" >/dev/null 2>&1; then MODEL=default
+    if $PY -c "from pdserve.engine.model_store import resolve_model; resolve_model(None)" >/dev/null 2>&1; then MODEL=default
     elif [ -d .whl/model ]; then MODEL=$($PY -m pdserve.benchmarks.random_model .whl/model /tmp/pdserve-check-model | tail -1)
     fi
 fi

@@ -25,6 +25,6 @@ plat=()
 for n in 2_17 2_24 2_27 2_28 2_31 2_34 2_35; do plat+=(--platform "manylinux_${n}_x86_64"); done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${plat[@]}" --platform manylinux2014_x86_64 --platform any -d .whl "${pins[@]}"
-python3 -c "from engine.model_store import resolve_model; from benchmarks.random_model import export_config; \
+python3 -c "from pdserve.engine.model_store import resolve_model; from pdserve.benchmarks.random_model import export_config; \
 from pathlib import Path; export_config(resolve_model(None), Path('.whl/model'))"
 du -sh .whl
