@@ -80,7 +80,14 @@ class EngineLoop:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        self._fail_reservations(EngineStopped(f"{self.name} worker stopped"))
         self._executor.shutdown(wait=True)
+
+    def _fail_reservations(self, error: EngineStopped) -> None:
+        """Nobody waits for blocks forever: reservations still queued when the loop ends fail with `error`."""
+        for granted in self._reservations.values():
+            if not granted.done():
+                granted.set_exception(error)
 
     @property
     def alive(self) -> bool:
@@ -155,9 +162,7 @@ class EngineLoop:
             sinks, self._sinks = self._sinks, {}
             for sink in sinks.values():
                 sink(EngineStopped(f"{self.name} worker failed: {e!r}"))
-            for granted in self._reservations.values():
-                if not granted.done():
-                    granted.set_exception(EngineStopped(f"{self.name} worker failed: {e!r}"))
+            self._fail_reservations(EngineStopped(f"{self.name} worker failed: {e!r}"))
             if self.on_fatal is not None:
                 self.on_fatal(e)
 

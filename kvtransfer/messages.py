@@ -20,7 +20,8 @@ from pdserve.kvtransfer.errors import ProtocolError
 
 MAX_TRANSFER_ID = 128
 MAX_SECRET = 256
-MAX_ERROR = 200
+MAX_ERROR = 200  # what a receiver keeps of a peer's error text
+_MAX_STRING = {"req": MAX_TRANSFER_ID, "secret": MAX_SECRET, "error": 1 << 12}
 MAX_LAYERS_PER_MESSAGE = 4096
 
 
@@ -109,8 +110,8 @@ def decode(header: dict[str, Any]) -> Message:
 
 def _checked(name: str, value: Any) -> Any:
     """A field's value if it has the type and size the protocol allows."""
-    if name in ("req", "secret", "error"):
-        limit = {"req": MAX_TRANSFER_ID, "secret": MAX_SECRET, "error": 1 << 12}[name]
+    limit = _MAX_STRING.get(name)
+    if limit is not None:
         if not isinstance(value, str) or len(value) > limit:
             raise ProtocolError(f"field {name!r} must be a string of at most {limit} characters")
         return value

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -142,13 +143,13 @@ class PrefillObserver:
         """Start watching a prompt (call it in the request's own trace context)."""
         return JobWatch(self, job)
 
-    def step(self, batch: ScheduledBatch, seconds: float, watches: dict[Sequence, JobWatch]) -> None:
+    def step(self, batch: ScheduledBatch, seconds: float, watch_of: Callable[[Sequence], JobWatch | None]) -> None:
         """A step ended: its figures, and each prompt's queue wait at its first step and forward span at its last."""
         end_ns = time.time_ns()
         start_ns = end_ns - int(seconds * 1e9)
         self.metrics.step_time.observe(seconds)
         self.metrics.batch_tokens.observe(batch.num_tokens)
         for i, seq in enumerate(batch.seqs):
-            watch = watches.get(seq)
+            watch = watch_of(seq)
             if watch is not None:
                 watch.stepped(seq, batch, start_ns, end_ns, batch.samples(i))

@@ -176,7 +176,11 @@ class PrefillWorker:
         return push
 
     def _on_step(self, batch: ScheduledBatch, seconds: float) -> None:
-        self.observer.step(batch, seconds, {seq: entry.watch for seq, entry in self._jobs.items()})
+        self.observer.step(batch, seconds, self._watch_of)
+
+    def _watch_of(self, seq: Sequence) -> JobWatch | None:
+        entry = self._jobs.get(seq)
+        return entry.watch if entry is not None else None
 
     def _on_output(self, entry: _Job, out: StepOutput | BaseException) -> None:
         if isinstance(out, BaseException):

@@ -58,19 +58,19 @@ def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-def _kind(cls: type, f: dataclasses.Field) -> type:
-    """The field's value type (int, float, str or bool), Optional unwrapped."""
-    hint = typing.get_type_hints(cls)[f.name]
+def _kind(hint: Any) -> type:
+    """A field's value type (int, float, str or bool), Optional unwrapped."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
 
 
 def add_options(parser: argparse.ArgumentParser, cls: type, **defaults: Any) -> None:
     """A flag for every field of `cls` (`defaults` replaces a field's default for this command)."""
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         meta = f.metadata
         default = defaults.get(f.name, f.default)
-        kind = _kind(cls, f)
+        kind = _kind(hints[f.name])
         raw = next((os.environ[name] for name in meta["env"] if os.environ.get(name)), None)
         if raw is not None:
             default = raw == "1" if kind is bool else (meta["parse"] or kind)(raw)
