@@ -117,9 +117,12 @@ def test_without_a_compiler_auto_keeps_torch_and_cpu_says_why(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_engine_greedy_with_the_kernel_equals_the_torch_backend(tiny_model_dir, dtype):
+def test_engine_greedy_with_the_kernel_equals_the_torch_backend(tiny_model_dir, tiny_hf_model, dtype):
     """The whole engine (chunked prefill, continuous batching, prompts of several lengths) gives the same tokens
-    with the kernel as with the torch path, in bf16 as in fp32."""
+    with the kernel as with the torch path: exactly in fp32; in bf16, wherever the two part, the tokens they chose
+    are the fp32 model's top two within bf16 rounding of each other (which way a near-tie goes depends on how each
+    path rounds, and torch's own bf16 path differs by CPU level: under PDSERVE_CPU_ISA=avx2 or portable it parts
+    from the kernel on this random tiny model, whose logits are flat)."""
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine_core import EngineCore
     from pdserve.engine.sampling_params import SamplingParams
@@ -140,5 +143,17 @@ def test_engine_greedy_with_the_kernel_equals_the_torch_backend(tiny_model_dir, 
         )
         assert engine.runner.backend.name == backend
         outputs[backend] = engine.generate(prompts, params)
-    assert outputs["cpu"] == outputs["torch"]
     assert all(len(o) == 24 for o in outputs["torch"])
+    if dtype == "float32":
+        assert outputs["cpu"] == outputs["torch"]
+        return
+    for prompt, kernel, reference in zip(prompts, outputs["cpu"], outputs["torch"]):
+        if kernel == reference:
+            continue
+        k = next(i for i, (a, b) in enumerate(zip(kernel, reference)) if a != b)
+        with torch.no_grad():
+            logits = tiny_hf_model(torch.tensor([prompt + kernel[:k]])).logits[0, -1]
+        top = logits.topk(2)
+        assert {kernel[k], reference[k]} == set(top.indices.tolist()), (k, kernel, reference)
+        margin = float(top.values[0] - top.values[1])
+        assert margin <= 0.02 * float(logits.abs().max()), f"tokens part at step {k} on a margin of {margin}"
