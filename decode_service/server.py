@@ -165,6 +165,7 @@ async def serve(
     allowed_prefill: Sequence[str] = (),
     kv_port: int = 0,
     threads_while_prefilling: int | None = None,
+    kv_bind: str | None = None,
 ) -> tuple[RunningServer, DecodeWorker, PrefillClients | None]:
     """A decode worker (or, `colocated`, one that prefills every prompt itself and runs no KV receiver)."""
     tracing = tracing or Tracing("pdserve-colocated" if colocated else "pdserve-decode")
@@ -177,6 +178,7 @@ async def serve(
         transport=transport,
         kv_host=kv_host,
         kv_port=kv_port,
+        kv_bind=kv_bind,
         max_queued=max_queued,
         local_prefill_max_tokens=local_prefill_max_tokens,
         observer=DecodeObserver(tracing.tracer),

@@ -63,6 +63,9 @@ class _Request:
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
 
 
+START_WITHIN = 0.75  # of the transfer timeout: what a prefill worker is given to start a prompt
+
+
 class DecodeWorker:
     """`call_prefill` None means colocated: every prompt is prefilled here and no KV receiver runs."""
 
@@ -73,6 +76,7 @@ class DecodeWorker:
         transport: str = "ucx",
         kv_host: str = "127.0.0.1",
         kv_port: int = 0,
+        kv_bind: str | None = None,
         max_queued: int = 256,
         transfer_timeout: float = 60.0,
         local_prefill_max_tokens: int = 0,
@@ -100,9 +104,10 @@ class DecodeWorker:
                 self.core.kv_cache,
                 self.core.layout,
                 make_transport(transport),
-                kv_host,
+                kv_bind or kv_host,
                 kv_port,
                 timeout=transfer_timeout,
+                advertise=kv_host,
             )
         self.metrics.bind_state(self.core.stats)
         self.requests_total = 0
@@ -239,11 +244,25 @@ class DecodeWorker:
             self.core.layout.fingerprint,
             transfer_id,
             secret,
+            # the prefill worker refuses what it cannot start before this: a refusal, not an expiry, so the
+            # gateway retries elsewhere at once and the prompt is computed only once
+            start_within=START_WITHIN * self.receiver.timeout,
         )
+        call = asyncio.ensure_future(self.call_prefill(address, job))
         try:
-            result = await self.call_prefill(address, job)
+            # the transfer may expire (no sender began it in time) while the call still waits in a queue there:
+            # give up on the call then, which cancels the job on the prefill worker
+            await asyncio.wait([call, arrived], return_when=asyncio.FIRST_COMPLETED)
+            if not call.done() and arrived.done() and arrived.exception() is not None:
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
+                raise arrived.exception()  # type: ignore[misc]
+            result = await call
             self.observer.transferred(await asyncio.wait_for(asyncio.shield(arrived), self.receiver.timeout))
         finally:
+            if not call.done():  # this request was cancelled: so is its prefill
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
             writing = self.receiver.cancel(transfer_id)
             if writing is not None:  # bytes still landing in these blocks: free them only once that ends
                 await asyncio.shield(writing)

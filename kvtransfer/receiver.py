@@ -75,13 +75,17 @@ class KVReceiver:
         port: int = 0,
         timeout: float = 30.0,
         on_complete: StatsHook | None = None,
+        advertise: str | None = None,
     ) -> None:
+        """Listens on `host` (exactly: a wildcard only when asked for); senders are told `advertise` (default
+        `host`)."""
         if tuple(kv_cache.shape) != layout.shape:
             raise ValueError("KV cache shape does not match its layout")
         self.cache = kv_cache
         self.layout = layout
         self.transport = transport
         self.host, self.port = host, port
+        self.advertise = advertise or host
         self.timeout = timeout
         self.on_complete = on_complete
         self._expected: dict[str, _Expected] = {}
@@ -93,7 +97,7 @@ class KVReceiver:
     @property
     def address(self) -> str:
         assert self._listener is not None, "receiver not started"
-        return f"{self.transport.name}://{self.host}:{self._listener.port}"
+        return f"{self.transport.name}://{self.advertise}:{self._listener.port}"
 
     async def start(self) -> KVReceiver:
         self._listener = await self.transport.listen(self.host, self.port, self._serve)

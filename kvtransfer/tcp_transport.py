@@ -11,7 +11,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from pdserve.kvtransfer.errors import ListenFailed, PeerDisconnected, ProtocolError
-from pdserve.kvtransfer.transport import MAX_HEADER, Connection, Handler, Listener, Transport, decode_header
+from pdserve.kvtransfer.transport import (
+    MAX_CONNECTIONS,
+    MAX_HEADER,
+    Connection,
+    Handler,
+    Listener,
+    Transport,
+    decode_header,
+)
 
 _LEN = struct.Struct("!I")
 _SOCK_BUF = 4 << 20
@@ -74,8 +82,9 @@ class TCPConnection(Connection):
 
 
 class TCPListener(Listener):
-    def __init__(self, sock: socket.socket, handler: Handler) -> None:
+    def __init__(self, sock: socket.socket, handler: Handler, max_connections: int = MAX_CONNECTIONS) -> None:
         self.sock = sock
+        self._max = max_connections
         self.host, self.port = sock.getsockname()[:2]
         self._handler = handler
         self._tasks: set[asyncio.Task] = set()
@@ -84,7 +93,11 @@ class TCPListener(Listener):
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self.sock)
+            conn, peer = await loop.sock_accept(self.sock)
+            if len(self._tasks) >= self._max:
+                conn.close()
+                self.refuse(f"{peer[0]}:{peer[1]}", f"{self._max} connections are open (the cap)")
+                continue
             _tune(conn)
             task = asyncio.create_task(self._serve(TCPConnection(conn)))
             self._tasks.add(task)
@@ -107,6 +120,9 @@ class TCPListener(Listener):
 class TCPTransport(Transport):
     name = "tcp"
 
+    def __init__(self, max_connections: int = MAX_CONNECTIONS) -> None:
+        self.max_connections = max_connections
+
     async def listen(self, host: str, port: int, handler: Handler) -> Listener:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -117,7 +133,7 @@ class TCPTransport(Transport):
             raise ListenFailed(f"cannot listen for KV transfers on {host}:{port}: {e.strerror or e}") from None
         sock.listen(64)
         sock.setblocking(False)
-        return TCPListener(sock, handler)
+        return TCPListener(sock, handler, self.max_connections)
 
     async def connect(self, host: str, port: int, timeout: float) -> Connection:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

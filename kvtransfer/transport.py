@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import json
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
@@ -18,6 +19,7 @@ from pdserve.kvtransfer.errors import ProtocolError
 from pdserve.kvtransfer.messages import Message, decode, encode
 
 MAX_HEADER = 64 << 10
+log = logging.getLogger(__name__)
 
 
 def decode_header(blob: bytes | bytearray) -> dict:
@@ -85,9 +87,19 @@ class Connection(abc.ABC):
     async def close(self) -> None: ...
 
 
+MAX_CONNECTIONS = 256  # KV connections one receiver keeps open; more are closed at once
+
+
 class Listener(abc.ABC):
     host: str
     port: int
+    refused: int = 0
+
+    def refuse(self, peer: str, why: object) -> None:
+        """Count a connection turned away; log the 1st, 10th, 100th... so that a flood cannot flood the log."""
+        self.refused += 1
+        if str(self.refused).strip("0") == "1":
+            log.warning("refused %d KV connection(s) so far; the latest from %s: %s", self.refused, peer, why)
 
     @abc.abstractmethod
     async def close(self) -> None: ...

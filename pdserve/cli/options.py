@@ -30,6 +30,18 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a size (e.g. 512M, 2G)") from None
 
 
+def parse_port_range(text: str) -> str:
+    """'20000-20099' (or one port) -> itself, checked."""
+    lo, _, hi = text.strip().partition("-")
+    try:
+        low, high = int(lo), int(hi or lo)
+    except ValueError:
+        low = high = 0
+    if not 1 <= low <= high <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port range LO-HI (1..65535)")
+    return f"{low}-{high}"
+
+
 def format_size(n: int) -> str:
     """536870912 -> '512M': the form parse_size reads."""
     for unit, size in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
@@ -150,6 +162,13 @@ class EngineOptions:
     kv_transport: str = option(
         "ucx", "how KV moves between workers", choices=("ucx", "tcp"), env=("PDSERVE_KV_TRANSPORT",)
     )
+    kv_data_ports: str | None = option(
+        None,
+        "TCP port range LO-HI for UCX's data paths (default: any free port; pin it where a firewall or a "
+        "NetworkPolicy must allow them; each worker takes one port per network interface it uses)",
+        env=("PDSERVE_KV_DATA_PORTS",),
+        parse=parse_port_range,
+    )
 
 
 @dataclass
@@ -205,6 +224,13 @@ class HTTPOptions:
         env=("PDSERVE_HTTP_PORT",),
     )
     http_host: str | None = option(None, "address the HTTP API binds (default: --host)")
+    http_max_body: int = option(4 << 20, "larger HTTP request bodies get 413 before they are read", parse=parse_size)
+    http_header_timeout: float = option(
+        10.0, "seconds an HTTP client may take to send a request's headers before its connection is closed"
+    )
+    http_max_connections: int = option(
+        0, "HTTP connections open at once; more are closed at once (0: half the process's file-descriptor limit)"
+    )
 
 
 @dataclass
