@@ -12,16 +12,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import resource
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry import trace
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pdserve.gateway.request_path import Delta, GenerationRequest, RequestError, RequestPath, invalid
 from pdserve.grpc_server import PortInUse, check_free
@@ -41,6 +46,40 @@ HTTP_STATUS = {
 }
 ERROR_CODES = {404: "model_not_found", 401: "invalid_api_key", 429: "rate_limit_exceeded", 503: "service_unavailable"}
 MAX_TOP_LOGPROBS = 20
+PARSE_ON_LOOP = 64 << 10  # bodies up to this size are parsed on the event loop; larger ones on a thread
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    """What one HTTP client may cost the gateway before it has sent a request worth serving."""
+
+    max_body: int = 4 << 20  # bytes; larger bodies get 413 before they are read
+    header_timeout: float = 10.0  # seconds a connection may take to send a request's head (slowloris)
+    body_timeout: float = 30.0  # seconds a request may take to send its body
+    max_connections: int = 0  # open connections at once (0: half of this process's file-descriptor limit)
+
+    def connections(self) -> int:
+        if self.max_connections > 0:
+            return self.max_connections
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return max(16, (soft if soft != resource.RLIM_INFINITY else 65536) // 2)
+
+
+class HTTPError(Exception):
+    """A refusal before the request is understood (413, 408): OpenAI's error shape, with its own status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def response(self) -> JSONResponse:
+        kind = "invalid_request_error"
+        code = {413: "request_too_large", 408: "request_timeout"}.get(self.status, "invalid_request")
+        return JSONResponse(
+            {"error": {"message": self.message, "type": kind, "param": self.param, "code": code}},
+            status_code=self.status,
+        )
 
 
 def error_body(e: RequestError) -> tuple[int, dict]:
@@ -74,6 +113,17 @@ def _get(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) ->
     return value
 
 
+_INT_RANGES = {"max_tokens": (0, 2**32 - 1), "min_tokens": (0, 2**32 - 1), "top_k": (-(2**31), 2**31 - 1)}
+_INT_RANGES["seed"] = (0, 2**64 - 1)
+
+
+def _set_int(s: common_pb2.SamplingParams, name: str, value: int) -> None:
+    low, high = _INT_RANGES[name]
+    if not low <= value <= high:
+        raise invalid(name, f"{name} must be in [{low}, {high}], got {value}")
+    setattr(s, name, value)
+
+
 def _sampling(body: dict, chat: bool) -> tuple[common_pb2.SamplingParams, list[str], int | None]:
     """The workers' sampling params, the stop strings, and how many top logprobs to return (None: none)."""
     s = common_pb2.SamplingParams()
@@ -82,7 +132,7 @@ def _sampling(body: dict, chat: bool) -> tuple[common_pb2.SamplingParams, list[s
     if max_tokens is not None:
         if max_tokens < 1:
             raise invalid("max_tokens", f"max_tokens must be >= 1, got {max_tokens}")
-        s.max_tokens = max_tokens
+        _set_int(s, "max_tokens", max_tokens)
     elif not chat:
         s.max_tokens = 16  # OpenAI's default for completions
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -94,7 +144,7 @@ def _sampling(body: dict, chat: bool) -> tuple[common_pb2.SamplingParams, list[s
         if value is not None:
             if name != "top_k" and value < 0:
                 raise invalid(name, f"{name} must be >= 0, got {value}")
-            setattr(s, name, value)
+            _set_int(s, name, value)
     if _get(body, "ignore_eos", (bool,), False):
         s.ignore_eos = True
     n = _get(body, "n", (int,), 1)
@@ -261,7 +311,33 @@ class _Renderer:
 # ---- the app -------------------------------------------------------------------------------------------------
 
 
-def create_app(path: RequestPath, api_key: str | None = None, tracing: Tracing | None = None) -> FastAPI:
+def parse_body(raw: bytes) -> dict:
+    """The body's JSON object; RequestError naming what is wrong (bad JSON, nesting too deep for the parser, a
+    lone surrogate, which no tokenizer or protobuf string can hold)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise invalid(None, "the request body nests too deeply") from None
+    except ValueError as e:
+        raise invalid(None, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise invalid(None, "the request body must be a JSON object")
+    for name, value in body.items():
+        try:
+            json.dumps(value, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise invalid(name, f"{name} holds a lone UTF-16 surrogate: not valid Unicode text") from None
+        except RecursionError:
+            raise invalid(name, f"{name} nests too deeply") from None
+    return body
+
+
+def create_app(
+    path: RequestPath,
+    api_key: str | None = None,
+    tracing: Tracing | None = None,
+    limits: HTTPLimits = HTTPLimits(),
+) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     tracer = tracing.tracer if tracing is not None else trace.NoOpTracer()
 
@@ -271,14 +347,28 @@ def create_app(path: RequestPath, api_key: str | None = None, tracing: Tracing |
                 grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send 'Authorization: Bearer <key>'"
             )
 
+    too_large = f"the request body is larger than this gateway takes ({limits.max_body} bytes)"
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limits.max_body:
+            raise HTTPError(413, too_large)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body:
+                raise HTTPError(413, too_large)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def body_of(request: Request) -> dict:
         try:
-            body = json.loads(await request.body())
-        except ValueError:
-            raise invalid(None, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise invalid(None, "the request body must be a JSON object")
-        return body
+            raw = await asyncio.wait_for(read_body(request), limits.body_timeout)
+        except TimeoutError:
+            raise HTTPError(408, f"the request body took longer than {limits.body_timeout:.0f}s to arrive") from None
+        if len(raw) <= PARSE_ON_LOOP:
+            return parse_body(raw)
+        return await asyncio.to_thread(parse_body, raw)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -329,6 +419,9 @@ def create_app(path: RequestPath, api_key: str | None = None, tracing: Tracing |
                 except RequestError as e:
                     span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
                     return _error_response(e)
+                except HTTPError as e:
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
+                    return e.response()
                 renderer = _Renderer(path, chat, model or path.model_name, top)
                 if stream:
                     streaming = True  # the span ends with the stream
@@ -413,11 +506,20 @@ async def _sse(
 class HTTPServer:
     """uvicorn serving the app inside the gateway's own event loop (its signals stay the gateway's)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, tls: TLSConfig | None = None) -> None:
+    def __init__(
+        self, app: FastAPI, host: str, port: int, tls: TLSConfig | None = None, limits: HTTPLimits = HTTPLimits()
+    ) -> None:
+        guarded = type(
+            "GuardedH11",
+            (_GuardedH11,),
+            {"max_connections": limits.connections(), "header_timeout": limits.header_timeout},
+        )
         config = uvicorn.Config(
             app,
             host=host,
             port=port,
+            http=guarded,
+            h11_max_incomplete_event_size=64 << 10,
             log_level="warning",
             access_log=False,
             lifespan="off",
@@ -449,6 +551,57 @@ class HTTPServer:
             return
         self.server.should_exit = True
         await asyncio.gather(self._task, return_exceptions=True)
+
+
+class _GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with what it lacks against slow or too many clients: a connection past the cap is
+    closed at once, and one that has not sent a whole request head within `header_timeout` (at the start, or
+    between requests on a kept-alive connection) is closed."""
+
+    max_connections = 1024
+    header_timeout = 10.0
+    _head_timer: asyncio.TimerHandle | None = None
+    _refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.max_connections:
+            self._refused = True
+            transport.abort()
+            log.debug("HTTP connection refused: %d are open (the cap)", self.max_connections)
+            return
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._refused:
+            return
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._waiting_for_head():
+            if self._head_timer is None:
+                self._arm()
+        else:
+            self._disarm()
+
+    def _waiting_for_head(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timeout)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self._waiting_for_head() and not self.transport.is_closing():
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):

@@ -35,6 +35,7 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_REQUEST_ID = 128
+MAX_MESSAGES = 4096  # a chat longer than this is refused before its template is rendered
 FINISH = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -120,7 +121,10 @@ class RequestPath:
         elif req.messages is not None:
             if not req.messages:
                 raise invalid("messages", "messages is empty: a chat needs at least one message")
-            size = sum(len(str(m.get("content", "")).encode()) for m in req.messages)
+            if len(req.messages) > MAX_MESSAGES:
+                raise invalid("messages", f"messages has {len(req.messages)} entries; at most {MAX_MESSAGES}")
+            # every message costs its role and the template's framing, not only its content
+            size = sum(len(str(m.get("content", "")).encode()) + len(str(m.get("role", ""))) + 16 for m in req.messages)
         else:
             size = 4 * len(req.token_ids or [])
         if size > self.max_prompt_bytes:

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.openai_api import HTTPServer, create_app
+from pdserve.gateway.openai_api import HTTPLimits, HTTPServer, create_app
 from pdserve.gateway.request_path import GenerationRequest, RequestError, RequestPath
 from pdserve.gateway.router import NoWorkerAvailable, Router
 from pdserve.gateway.tokenizer import Tokenizer
@@ -109,6 +109,7 @@ async def serve(
     http_port: int = -1,
     kv_aware: bool = True,
     overlap_weight: float = 1.0,
+    http_limits: HTTPLimits | None = None,
 ) -> tuple[RunningServer, Router, RequestPath, HTTPServer | None]:
     """Bind the public ports first (a busy port fails at once), wait for workers, then say SERVING. With
     `http_port` >= 0 the OpenAI-compatible HTTP API is served too, on the same request path."""
@@ -142,7 +143,9 @@ async def serve(
     http = None
     if http_port >= 0:
         try:
-            http = await HTTPServer(create_app(path, api_key, tracing), http_host or host, http_port, tls).start()
+            limits = http_limits or HTTPLimits()
+            app = create_app(path, api_key, tracing, limits)
+            http = await HTTPServer(app, http_host or host, http_port, tls, limits).start()
         except BaseException:
             await running.server.stop(None)
             raise

@@ -22,11 +22,83 @@ from pdserve.security import TLSConfig
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 64 << 20
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+_MESSAGE_SIZES = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+KEEPALIVE_S = 10
+# Between services: a peer that stops answering (a stopped or wedged process, a host gone) fails its calls after
+# two keepalive periods rather than when their deadline passes; and a peer that comes back is redialled within a
+# second: gRPC's default reconnect backoff grows to two minutes, so a worker down for a while took tens of seconds
+# to be routed to again.
+CHANNEL_OPTIONS = [
+    *_MESSAGE_SIZES,
+    ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_S * 1000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_S * 1000),  # gRPC's own default (a minute) outlasts keepalive's
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 # One port, one server: without this, gRPC's default SO_REUSEPORT lets a second server start on a busy port and
-# silently take part of its traffic.
-SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+# silently take part of its traffic. The servers accept the services' keepalive pings during long calls.
+SERVER_OPTIONS = [
+    *_MESSAGE_SIZES,
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+class _Malformed:
+    """What a request that does not parse deserializes to, so the handler can answer INVALID_ARGUMENT (gRPC
+    itself would answer a deserializer's exception with UNKNOWN)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class RejectMalformed(grpc.aio.ServerInterceptor):
+    """Requests that are not valid protobuf (e.g. a string field holding invalid UTF-8) get INVALID_ARGUMENT."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def deserialize(raw: bytes):
+            try:
+                return parse(raw)
+            except Exception as e:  # noqa: BLE001 - whatever the parser says is the caller's input
+                return _Malformed(e)
+
+        async def refuse(request: _Malformed, context) -> None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{details.method}: the request does not parse: {request.error}"
+            )
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                if isinstance(request, _Malformed):
+                    await refuse(request, context)
+                return await inner(request, context)
+
+            return handler._replace(request_deserializer=deserialize, unary_unary=unary)
+        inner_stream = handler.unary_stream
+
+        async def stream(request, context):
+            if isinstance(request, _Malformed):
+                await refuse(request, context)
+            result = inner_stream(request, context)
+            if inspect.isasyncgen(result):
+                async for item in result:
+                    yield item
+            else:
+                await result
+
+        return handler._replace(request_deserializer=deserialize, unary_stream=stream)
 
 
 class PortInUse(OSError):
@@ -129,7 +201,7 @@ async def start_server(
     False) once the caller calls `serving()`. With `tls`, the port speaks TLS (and, with `require_client_cert`
     and a CA, only to callers holding a certificate it signed). Raises PortInUse, naming the address, when it
     cannot listen there."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[*interceptors, RejectMalformed()])
     register(server)
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -69,6 +69,7 @@ class PrefillJob:
     layout_fingerprint: str
     transfer_id: str
     transfer_secret: str
+    start_within: float = 0.0  # seconds until the decode worker expires the transfer unless KV arrives (0: never)
 
 
 @dataclass
@@ -91,6 +92,7 @@ def job_to_proto(job: PrefillJob) -> worker_pb2.PrefillRequest:
             transfer_id=job.transfer_id,
             secret=job.transfer_secret,
         ),
+        start_within_s=job.start_within,
     )
 
 
@@ -105,6 +107,7 @@ def job_from_proto(msg: worker_pb2.PrefillRequest) -> PrefillJob:
         t.layout_fingerprint,
         t.transfer_id,
         t.secret,
+        msg.start_within_s,
     )
 
 

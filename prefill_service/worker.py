@@ -45,6 +45,7 @@ class _Job:
     future: asyncio.Future[PrefillResult]
     watch: JobWatch
     sending: bool = False
+    started: bool = False  # has a step computed any of its tokens?
 
 
 class PrefillWorker:
@@ -70,6 +71,7 @@ class PrefillWorker:
         self._jobs: dict[Sequence, _Job] = {}
         self._finishing: set[asyncio.Future] = set()
         self._closing = False
+        self.tokens_per_second = 0.0  # prefill rate of recent steps (moving average): what a backlog will take
         self._watchers: set[asyncio.Queue[CacheEvent | None]] = set()
         self._unsubscribe = self.core.subscribe_cache(self._publish)
 
@@ -124,9 +126,16 @@ class PrefillWorker:
         if self._closing:
             raise WorkerClosing("prefill worker is shutting down")
         self.check(job)
-        waiting = self.core.stats().waiting
-        if waiting >= self.max_queued:
-            raise QueueFull(f"{waiting} prompts already waiting")
+        stats = self.core.stats()
+        if stats.waiting >= self.max_queued:
+            raise QueueFull(f"{stats.waiting} prompts already waiting")
+        if job.start_within > 0 and self.tokens_per_second > 0:
+            eta = stats.queued_tokens / self.tokens_per_second
+            if eta > job.start_within:
+                raise QueueFull(
+                    f"a backlog of {stats.queued_tokens} tokens (~{eta:.0f}s) would start this prompt after its "
+                    f"KV transfer expires ({job.start_within:.0f}s)"
+                )
         if not self.sender.connected(job.kv_address):
             with self.observer.connecting(job.kv_address):
                 await self.sender.connect(job.kv_address)
@@ -137,9 +146,14 @@ class PrefillWorker:
         entry = _Job(job, seq, asyncio.get_running_loop().create_future(), watch)
         self._jobs[seq] = entry
         self.loop.submit(seq, lambda out: self._on_output(entry, out))
+        expiry = None
+        if job.start_within > 0:
+            expiry = asyncio.get_running_loop().call_later(job.start_within, self._expire, entry)
         try:
             return await asyncio.shield(entry.future)
         finally:
+            if expiry is not None:
+                expiry.cancel()
             if not entry.future.done():  # cancelled (deadline, or the decode worker gave up)
                 entry.future.cancel()
                 watch.sent(error="prefill cancelled")
@@ -177,6 +191,18 @@ class PrefillWorker:
 
     def _on_step(self, batch: ScheduledBatch, seconds: float) -> None:
         self.observer.step(batch, seconds, self._watch_of)
+        for seq in batch.seqs:
+            entry = self._jobs.get(seq)
+            if entry is not None:
+                entry.started = True
+        if batch.num_tokens and seconds > 0:
+            rate = batch.num_tokens / seconds
+            self.tokens_per_second = rate if not self.tokens_per_second else 0.8 * self.tokens_per_second + 0.2 * rate
+
+    def _expire(self, entry: _Job) -> None:
+        """A prompt still queued when its decode worker is about to expire the transfer is dropped, not computed."""
+        if not entry.started and self._jobs.get(entry.seq) is entry:
+            self._fail(entry, QueueFull(f"not started within {entry.spec.start_within:.0f}s (the KV transfer expires)"))
 
     def _watch_of(self, seq: Sequence) -> JobWatch | None:
         entry = self._jobs.get(seq)

@@ -60,18 +60,20 @@ class KVTarget(_message.Message):
     def __init__(self, address: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "kv_target")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "kv_target", "start_within_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
+    START_WITHIN_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
     sampling: _common_pb2.SamplingParams
     kv_target: KVTarget
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
+    start_within_s: float
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., start_within_s: _Optional[float] = ...) -> None: ...
 
 class TransferFigures(_message.Message):
     __slots__ = ("bytes", "seconds", "layers", "blocks", "transport")

@@ -18,6 +18,7 @@ import os
 import re
 import sys
 from importlib import metadata
+from pathlib import Path
 from typing import NoReturn
 
 from pdserve.cli.clients import cmd_bench, cmd_generate, cmd_health, cmd_traces
@@ -125,6 +126,27 @@ def _api_key_arg(p: argparse.ArgumentParser, server: bool) -> None:
         if server
         else "send this API key (default $PDSERVE_API_KEY)",
     )
+    p.add_argument(
+        "--api-key-file",
+        default=os.environ.get("PDSERVE_API_KEY_FILE"),
+        help="read the API key from this file (keeps it out of `ps`); default $PDSERVE_API_KEY_FILE",
+    )
+
+
+def _read_api_key(args: argparse.Namespace) -> None:
+    """--api-key-file into args.api_key: the key's first line, refused when empty or unreadable."""
+    path = getattr(args, "api_key_file", None)
+    if not path:
+        return
+    if getattr(args, "api_key", None) and "PDSERVE_API_KEY" not in os.environ:
+        raise CLIError("give the API key once: --api-key or --api-key-file")
+    try:
+        key = Path(path).read_text().strip()
+    except OSError as e:
+        raise CLIError(f"--api-key-file {path}: {e.strerror or e}") from None
+    if not key or "\n" in key:
+        raise CLIError(f"--api-key-file {path}: the file must hold the key alone, on one line")
+    args.api_key = key
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -234,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cpu_isa.apply_cap()  # before anything imports torch: its kernels read the cap once, at import
     except ValueError as e:
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+    try:
+        _read_api_key(args)
+    except CLIError as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -120,8 +120,10 @@ def routable(host: str) -> str:
         return address
 
 
-def tls_config(args: argparse.Namespace):
-    """The TLS files the flags name (None when TLS is off), checked before anything starts."""
+def tls_config(args: argparse.Namespace, serving: bool = False):
+    """The TLS files the flags name (None when TLS is off), checked before anything starts. A service
+    (`serving`) given a CA but no certificate of its own is refused: it would serve plaintext while its peers
+    expect TLS."""
     from pdserve.security import TLSConfig
 
     tls = TLSConfig(
@@ -134,7 +136,17 @@ def tls_config(args: argparse.Namespace):
         tls.check()
     except ValueError as e:
         raise CLIError(str(e)) from None
+    if serving and tls.ca and not tls.enabled:
+        raise CLIError("--tls-ca turns TLS on: a service also needs its own --tls-cert and --tls-key")
     return tls if (tls.enabled or tls.ca) else None
+
+
+def metrics_host(args: argparse.Namespace, secured: bool) -> str:
+    """Where /metrics binds: --metrics-host; else, for a service whose API is secured (TLS, an API key), only
+    this host (plaintext, unauthenticated figures stay off the network unless asked for); else --host."""
+    if args.metrics_host:
+        return args.metrics_host
+    return "127.0.0.1" if secured else args.host
 
 
 def _tracing(args: argparse.Namespace):
@@ -144,18 +156,20 @@ def _tracing(args: argparse.Namespace):
     return Tracing(f"pdserve-{args.command}", config, instance=f"{args.host}:{args.port}")
 
 
-def _metrics_server(args: argparse.Namespace, registry):
+def _metrics_server(args: argparse.Namespace, registry, secured: bool):
     from pdserve.metrics_server import MetricsServer
 
     if args.metrics_port < 0:
         return None
+    host = metrics_host(args, secured)
     try:
-        server = MetricsServer(registry, args.metrics_host or args.host, args.metrics_port).start()
+        server = MetricsServer(registry, host, args.metrics_port).start()
     except OSError as e:
-        raise CLIError(
-            f"cannot serve /metrics on {args.metrics_host or args.host}:{args.metrics_port}: {e.strerror or e}"
-        ) from None
-    log.info("metrics on %s", server.url)
+        raise CLIError(f"cannot serve /metrics on {host}:{args.metrics_port}: {e.strerror or e}") from None
+    if secured and not args.metrics_host:
+        log.info("metrics on %s (this host only: the API is secured; --metrics-host exposes them)", server.url)
+    else:
+        log.info("metrics on %s", server.url)
     return server
 
 
@@ -169,8 +183,13 @@ def _run(main) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from pdserve.grpc_server import serve_until_signal
 
-    cfg = engine_config(from_args(EngineOptions, args))
-    tls = tls_config(args)
+    engine = from_args(EngineOptions, args)
+    cfg = engine_config(engine)
+    tls = tls_config(args, serving=True)
+    if engine.kv_transport == "ucx" and args.command != "colocated":
+        from pdserve.kvtransfer.ucx_transport import restrict_to
+
+        restrict_to(args.host, engine.kv_data_ports)
 
     async def main() -> int:
         tracing = _tracing(args)
@@ -195,6 +214,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 args.kv_transport,
                 "" if colocated else routable(decode.kv_host or args.host),
                 kv_port=decode.kv_port,
+                kv_bind=args.host,
                 max_queued=from_args(QueueOptions, args).max_queued,
                 tracing=tracing,
                 colocated=colocated,
@@ -204,7 +224,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 local_prefill_max_tokens=local.local_prefill_max_tokens,
                 threads_while_prefilling=decode.threads_while_prefilling,
             )
-        metrics = _metrics_server(args, worker.metrics.registry)
+        metrics = _metrics_server(args, worker.metrics.registry, tls is not None)
         print(f"pdserve {args.command} ready on {args.host}:{running.port}", flush=True)
 
         async def stop() -> None:
@@ -232,11 +252,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from pdserve.engine.model_store import resolve_model
+    from pdserve.gateway.openai_api import HTTPLimits
     from pdserve.gateway.server import serve
     from pdserve.grpc_server import serve_until_signal
 
     path = resolve_model(args.model)
     tls = tls_config(args)
+    if tls is not None and not tls.enabled:
+        log.warning("--tls-ca without --tls-cert: calls to workers use TLS, but the public port serves plaintext")
     prefill = [a for a in args.prefill.split(",") if a]
     decode = [a for a in args.decode.split(",") if a]
     if not decode:
@@ -261,11 +284,12 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             max_prompt_bytes=args.max_prompt_bytes,
             http_host=args.http_host,
+            http_limits=HTTPLimits(args.http_max_body, args.http_header_timeout, 30.0, args.http_max_connections),
             http_port=args.http_port,
             kv_aware=args.routing == "kv-aware",
             overlap_weight=args.overlap_weight,
         )
-        metrics = _metrics_server(args, gateway_metrics.registry)
+        metrics = _metrics_server(args, gateway_metrics.registry, tls is not None or bool(args.api_key))
         print(
             f"pdserve gateway ready on {args.host}:{running.port}" + (f", OpenAI API on {http.url}" if http else ""),
             flush=True,

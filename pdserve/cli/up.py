@@ -242,7 +242,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("pdserve up: converting the model for first use (once; about 20 s)...", file=sys.stderr, flush=True)
     plan = plan_stack(args)
     engine_config(engine, copies=len(plan.workers))  # model, dtype, KV budget: checked before anything starts
-    tls = tls_config(args)
+    tls = tls_config(args, serving=True)
     _check_ports_free(args.host, plan.ports)
     # an answer on this terminal (--prompt) is not interleaved with the services' INFO lines, unless asked for
     level = args.log_level if up.prompt is None or getattr(args, "log_level_given", True) else "WARNING"
