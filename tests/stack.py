@@ -151,7 +151,7 @@ def start_stack(
     (e.g. --otlp-endpoint), and so does `everyone` (e.g. TLS flags; pass the test's own `tls` for its
     channels). With `log_dir`, each service's stderr goes to `<role>.log` there."""
     exe = [sys.executable, "-m", "pdserve.cli"]
-    env = {**service_env(), **(env or {})}
+    env = {k: v for k, v in {**service_env(), **(env or {})}.items() if v is not None}  # None: unset it
     g_port, h_port = free_port(), free_port()
     p_ports = [free_port() for _ in range(0 if colocated else prefill_workers)]
     d_ports = [free_port() for _ in range(decode_workers)]
