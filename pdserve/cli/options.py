@@ -176,7 +176,11 @@ class ObservabilityOptions:
     metrics_port: int = option(
         9400, "HTTP port of /metrics (Prometheus); -1 turns it off (up: the gateway's; workers take the next ones)"
     )
-    metrics_host: str | None = option(None, "address /metrics binds (default: --host)")
+    metrics_host: str | None = option(
+        None,
+        "address /metrics binds (default: --host; 127.0.0.1 when the API is secured by TLS or an API key)",
+        env=("PDSERVE_METRICS_HOST",),
+    )
     otlp_endpoint: str | None = option(
         None,
         "OTLP trace collector, e.g. http://127.0.0.1:4318 (default $OTEL_EXPORTER_OTLP_ENDPOINT; unset: tracing off)",
