@@ -28,8 +28,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     min_tokens: int = 0
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 1024  # entries
 
     @property
     def greedy(self) -> bool:
@@ -70,4 +72,13 @@ class SamplingParams:
             bad("seed", "must be a non-negative 64-bit integer")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+            raise InvalidParameter("logit_bias", f"logit_bias takes at most {self.MAX_LOGIT_BIAS} tokens")
+        for token, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidParameter("logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r}")
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise InvalidParameter(
+                    "logit_bias", f"logit_bias keys must be token ids in [0, {vocab_size}), got {token}"
+                )
         return self

@@ -2,7 +2,8 @@
 
 `POST /v1/completions`, `POST /v1/chat/completions` (streamed as server-sent events exactly as OpenAI frames them,
 `data: [DONE]` last), `GET /v1/models`, `GET /health`. Parameters are OpenAI's plus vLLM's extras (top_k, min_p,
-min_tokens, ignore_eos, repetition_penalty); unknown fields are ignored, as OpenAI does. Errors come in OpenAI's
+min_tokens, ignore_eos, repetition_penalty) and logit_bias; a parameter it does not implement (tools,
+response_format other than text, ...) or does not know gets a 400 naming it, as OpenAI answers. Errors come in OpenAI's
 shape, `{"error": {"message", "type", "param", "code"}}`, with the HTTP status that matches. A client that goes
 away cancels its request on every worker.
 """
@@ -24,8 +25,9 @@ import grpc
 import h11
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pdserve.gateway.request_path import Delta, GenerationRequest, RequestError, RequestPath, invalid
@@ -124,9 +126,50 @@ def _set_int(s: common_pb2.SamplingParams, name: str, value: int) -> None:
     setattr(s, name, value)
 
 
+# OpenAI parameters this server does not implement: refused by name rather than silently ignored (OpenAI itself
+# refuses arguments it does not know); `response_format: {"type": "text"}` is the default and accepted
+UNSUPPORTED: tuple[str, ...] = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+UNSUPPORTED += ("audio", "modalities", "prediction", "web_search_options", "reasoning_effort")
+
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs"}
+_COMMON |= {"presence_penalty", "frequency_penalty", "logit_bias", "user", "metadata", "store", "service_tier"}
+_COMMON |= {"top_k", "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids"}  # vLLM's extras
+KNOWN = {
+    False: _COMMON | {"prompt", "echo", "best_of", "suffix"},
+    True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"},
+}
+
+
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    for name in UNSUPPORTED:
+        if body.get(name) is not None:
+            raise invalid(name, f"{name} is not supported by this server")
+    for name in body:
+        if name not in KNOWN[chat] and name not in UNSUPPORTED:
+            raise invalid(name, f"unknown parameter {name!r}")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise invalid("response_format", "response_format is not supported by this server (only {'type': 'text'})")
+
+
+def _logit_bias(body: dict, s: common_pb2.SamplingParams) -> None:
+    bias = _get(body, "logit_bias", (dict,))
+    if not bias:
+        return
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < 2**32):
+            raise invalid("logit_bias", f"logit_bias keys must be token ids (as strings), got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise invalid("logit_bias", f"logit_bias values must be numbers in [-100, 100], got {value!r}")
+        s.logit_bias[int(key)] = float(value)
+
+
 def _sampling(body: dict, chat: bool) -> tuple[common_pb2.SamplingParams, list[str], int | None]:
     """The workers' sampling params, the stop strings, and how many top logprobs to return (None: none)."""
+    _refuse_unsupported(body, chat)
     s = common_pb2.SamplingParams()
+    _logit_bias(body, s)
     max_tokens = _get(body, "max_completion_tokens", (int,)) if chat else None
     max_tokens = max_tokens if max_tokens is not None else _get(body, "max_tokens", (int,))
     if max_tokens is not None:
@@ -147,6 +190,10 @@ def _sampling(body: dict, chat: bool) -> tuple[common_pb2.SamplingParams, list[s
             _set_int(s, name, value)
     if _get(body, "ignore_eos", (bool,), False):
         s.ignore_eos = True
+    stop_ids = _get(body, "stop_token_ids", (list,), [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in stop_ids):
+        raise invalid("stop_token_ids", "stop_token_ids must be a list of token ids")
+    s.stop_token_ids.extend(stop_ids)
     n = _get(body, "n", (int,), 1)
     if n != 1:
         raise invalid("n", "n must be 1: this server returns one choice per request")
@@ -375,65 +422,107 @@ def create_app(
         ready = any(w.healthy for w in path.router.decode)
         return JSONResponse({"status": "ok" if ready else "no healthy worker"}, status_code=200 if ready else 503)
 
+    def model_card() -> dict:
+        return {
+            "id": path.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": path.router.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         try:
             authorize(request)
         except RequestError as e:
             return _error_response(e)
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": path.model_name,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "pdserve",
-                        "max_model_len": path.router.max_model_len,
-                    }
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> JSONResponse:
+        try:
+            authorize(request)
+            if model != path.model_name:
+                raise RequestError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"the model {model!r} does not exist; this server serves {path.model_name!r}",
+                    "model",
+                )
+        except RequestError as e:
+            return _error_response(e)
+        return JSONResponse(model_card())
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """The gateway's Prometheus page on the API port too (benchmark clients look there); behind the key."""
+        try:
+            authorize(request)
+        except RequestError as e:
+            return _error_response(e)
+        return Response(generate_latest(path.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def generate(request: Request, chat: bool):
         name = "/v1/chat/completions" if chat else "/v1/completions"
-        span = tracer.start_span(f"POST {name}", kind=trace.SpanKind.SERVER, context=extract(dict(request.headers)))
+        span = tracer.start_span(
+            f"POST {name}",
+            kind=trace.SpanKind.SERVER,
+            context=extract(dict(request.headers)),
+            attributes={  # HTTP semantic conventions: what trace backends filter and group by
+                "http.request.method": "POST",
+                "http.route": name,
+                "url.path": request.url.path,
+                "url.scheme": request.url.scheme,
+                "network.protocol.version": request.scope.get("http_version", "1.1"),
+                "user_agent.original": request.headers.get("user-agent", ""),
+            },
+        )
         streaming = False
+        response = None
         try:
             with trace.use_span(span, end_on_exit=False):
-                try:
-                    authorize(request)
-                    body = await body_of(request)
-                    sampling, stop, top = _sampling(body, chat)
-                    model = _get(body, "model", (str,), "")
-                    req = GenerationRequest(uuid.uuid4().hex, sampling, stop=stop, model=model)
-                    if chat:
-                        req.messages = _messages(body)
-                    else:
-                        req.prompt, req.token_ids = _prompt(body)
-                    stream = _get(body, "stream", (bool,), False)
-                    options = _get(body, "stream_options", (dict,), {}) or {}
-                    include_usage = bool(options.get("include_usage")) if stream else False
-                    path.check(req)
-                except RequestError as e:
-                    span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
-                    return _error_response(e)
-                except HTTPError as e:
-                    span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
-                    return e.response()
-                renderer = _Renderer(path, chat, model or path.model_name, top)
-                if stream:
-                    streaming = True  # the span ends with the stream
-                    return StreamingResponse(
-                        _sse(path, req, renderer, include_usage, span),
-                        media_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                    )
-                return await _complete(path, req, renderer, request)
+                response = await answer(span, request, chat)
+                streaming = isinstance(response, StreamingResponse)
+                return response
         finally:
+            if response is not None:
+                span.set_attribute("http.response.status_code", response.status_code)
+                if response.status_code >= 400:
+                    span.set_attribute("error.type", str(response.status_code))
             if not streaming:
                 span.end()
+
+    async def answer(span: trace.Span, request: Request, chat: bool) -> Response:
+        """The response to one generation request: an error, a whole completion, or a stream (whose span ends
+        with it)."""
+        try:
+            authorize(request)
+            body = await body_of(request)
+            sampling, stop, top = _sampling(body, chat)
+            model = _get(body, "model", (str,), "")
+            req = GenerationRequest(uuid.uuid4().hex, sampling, stop=stop, model=model)
+            if chat:
+                req.messages = _messages(body)
+            else:
+                req.prompt, req.token_ids = _prompt(body)
+            stream = _get(body, "stream", (bool,), False)
+            options = _get(body, "stream_options", (dict,), {}) or {}
+            include_usage = bool(options.get("include_usage")) if stream else False
+            path.check(req)
+        except RequestError as e:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
+            return _error_response(e)
+        except HTTPError as e:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
+            return e.response()
+        renderer = _Renderer(path, chat, model or path.model_name, top)
+        if stream:
+            return StreamingResponse(
+                _sse(path, req, renderer, include_usage, span),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await _complete(path, req, renderer, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

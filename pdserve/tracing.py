@@ -7,9 +7,11 @@ service owns its `Tracing`; nothing is registered globally, so tests can run sev
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass
 
+import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span
@@ -79,8 +81,10 @@ class Tracing:
         if not self.enabled:
             return []
         from opentelemetry.instrumentation.grpc import aio_client_interceptors
+        from opentelemetry.instrumentation.grpc._aio_client import UnaryStreamAioClientInterceptor
 
-        return aio_client_interceptors(tracer_provider=self._provider, filter_=_not_noise())
+        interceptors = aio_client_interceptors(tracer_provider=self._provider, filter_=_not_noise())
+        return [_cancel_aware(i) if isinstance(i, UnaryStreamAioClientInterceptor) else i for i in interceptors]
 
     def shutdown(self) -> None:
         """Flush what is buffered and stop the exporter."""
@@ -88,6 +92,36 @@ class Tracing:
             self._provider.shutdown()
             self._provider = None
             self.tracer = trace.NoOpTracer()
+
+
+def _cancel_aware(interceptor):
+    """OpenTelemetry's streaming client interceptor, except that a call this side cancels (the caller went away,
+    a deadline of ours) ends its span with CANCELLED, as the server's span says, instead of no status at all."""
+    from opentelemetry.instrumentation.grpc._aio_client import UnaryStreamAioClientInterceptor
+
+    class CancelAware(UnaryStreamAioClientInterceptor):
+        async def _wrap_stream_response(self, span, call):
+            try:
+                async for response in call:
+                    if self._response_hook:
+                        self._call_response_hook(span, response)
+                    yield response
+            except (asyncio.CancelledError, GeneratorExit):
+                span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.CANCELLED.value[0])
+                span.set_status(trace.Status(trace.StatusCode.ERROR, "CANCELLED: the caller cancelled the call"))
+                raise
+            except Exception as exc:
+                self.add_error_details_to_span(span, exc)
+                raise
+            finally:
+                span.end()
+
+    return CancelAware(
+        interceptor._tracer,
+        filter_=interceptor._filter,
+        request_hook=interceptor._request_hook,
+        response_hook=interceptor._response_hook,
+    )
 
 
 def _not_noise():

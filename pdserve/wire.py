@@ -33,11 +33,18 @@ _OPTIONAL_FIELDS = (
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Proto -> engine params; unset optional fields keep the engine defaults. Not validated here."""
     kwargs = {name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)}
-    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, **kwargs)
+    return SamplingParams(
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        **kwargs,
+    )
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos)
+    msg = common_pb2.SamplingParams(
+        stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos, logit_bias=dict(params.logit_bias)
+    )
     for name in _OPTIONAL_FIELDS:
         value = getattr(params, name)
         if value is not None:

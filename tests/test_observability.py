@@ -268,3 +268,40 @@ async def test_cancelled_and_timed_out_requests_say_so_on_their_server_spans(obs
     for rid, code in (("obs-cancel", grpc.StatusCode.CANCELLED), ("obs-deadline", grpc.StatusCode.DEADLINE_EXCEEDED)):
         for span in server_spans(spans, rid):
             assert span.attributes["rpc.grpc.status_code"] == code.value[0], (rid, span.name, span.attributes)
+    # the gateway's client span of the call it cancelled says so too (it said nothing: status 0)
+    ids = {sp.trace_id for sp in spans if sp.attributes.get("pdserve.request_id") == "obs-cancel"}
+    spans = otlp.wait_for(
+        lambda spans: any(
+            sp.trace_id in ids and sp.kind == "CLIENT" and sp.name == "/pdserve.v1.DecodeService/Decode" for sp in spans
+        )
+    )
+    (client,) = [
+        sp
+        for sp in spans
+        if sp.trace_id in ids and sp.kind == "CLIENT" and sp.name == "/pdserve.v1.DecodeService/Decode"
+    ]
+    assert client.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0], client.attributes
+
+
+async def test_http_spans_carry_the_semantic_convention_attributes(observed_stack):
+    """A trace backend filters HTTP requests by method, route and status: the OpenAI API's root spans say them."""
+    import aiohttp
+
+    stack, otlp, _ = observed_stack
+    agent = {"User-Agent": "semconv-check/1"}
+    async with aiohttp.ClientSession(headers=agent) as session:
+        for body in ({"prompt": "Hi", "max_tokens": 2}, {"prompt": "Hi", "max_tokens": 0}):
+            async with session.post(stack.http + "/v1/completions", json=body) as resp:
+                await resp.read()
+
+    def mine(spans):
+        return [sp for sp in spans if sp.attributes.get("user_agent.original") == "semconv-check/1"]
+
+    spans = mine(otlp.wait_for(lambda spans: len(mine(spans)) == 2))
+    by_status = {sp.attributes["http.response.status_code"]: sp for sp in spans}
+    assert set(by_status) == {200, 400}
+    for sp in spans:
+        assert sp.kind == "SERVER" and sp.name == "POST /v1/completions"
+        assert sp.attributes["http.request.method"] == "POST" and sp.attributes["http.route"] == "/v1/completions"
+        assert sp.attributes["url.path"] == "/v1/completions"
+    assert by_status[400].attributes["error.type"] == "400" and "error.type" not in by_status[200].attributes

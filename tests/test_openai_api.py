@@ -78,7 +78,6 @@ async def test_sse_framing_and_logprobs_raw(stack):
         "stream": True,
         "logprobs": 2,
         "stream_options": {"include_usage": True},
-        "some_future_field": {"ignored": True},
     }
     async with aiohttp.ClientSession(headers={"Authorization": "Bearer sesame"}) as s:
         async with s.post(stack.http + "/v1/completions", json=body) as resp:
@@ -165,3 +164,74 @@ async def test_disconnect_cancels_the_request_everywhere(stack):
         await asyncio.gather(task, return_exceptions=True)
     stack.wait_idle(timeout=60)
     assert scrape(stack.metrics["decode"])[steps] - before < 500, "generation went on after the clients left"
+
+
+CHAT = {"messages": [{"role": "user", "content": "What is the weather?"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("tools", [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]),
+        ("tool_choice", "auto"),
+        ("parallel_tool_calls", True),
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}),
+        ("frobnicate", 1),
+    ],
+    ids=["tools", "tool_choice", "parallel_tool_calls", "json_object", "json_schema", "unknown"],
+)
+async def test_unimplemented_fields_get_400_naming_them(stack, field, value):
+    """Nothing is silently dropped: a field this server does not implement, or does not know, is refused."""
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer sesame"}) as s:
+        async with s.post(stack.http + "/v1/chat/completions", json={**CHAT, field: value}) as resp:
+            got = await resp.json()
+    assert resp.status == 400 and got["error"]["param"] == field, got
+
+
+async def test_response_format_text_is_the_default_and_accepted(stack):
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer sesame"}) as s:
+        body = {**CHAT, "response_format": {"type": "text"}}
+        async with s.post(stack.http + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+
+
+async def test_logit_bias_steers_sampling(stack, tokenizer):
+    """+100 on one token makes greedy decoding pick it every step; -100 on the greedy token makes it pick another;
+    over HTTP and gRPC alike."""
+    from pdserve.client import Client
+
+    prompt = "The capital of France is"
+    forced = tokenizer.encode(" banana")[0]
+    async with Client(stack.gateway, api_key="sesame") as client:
+        plain = await client.complete(prompt, max_tokens=3, temperature=0.0)
+        pushed = await client.complete(prompt, max_tokens=3, temperature=0.0, logit_bias={forced: 100.0})
+        banned = await client.complete(prompt, max_tokens=1, temperature=0.0, logit_bias={plain.token_ids[0]: -100.0})
+    assert pushed.token_ids == [forced] * 3
+    assert banned.token_ids[0] != plain.token_ids[0]
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer sesame"}) as s:
+        body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "logit_bias": {str(forced): 100}}
+        async with s.post(stack.http + "/v1/completions", json=body) as resp:
+            text = (await resp.json())["choices"][0]["text"]
+        assert text == pushed.text
+        for bad in ({"x": 1}, {str(forced): 101}, {str(forced): "high"}):
+            async with s.post(stack.http + "/v1/completions", json={**body, "logit_bias": bad}) as resp:
+                got = await resp.json()
+            assert resp.status == 400 and got["error"]["param"] == "logit_bias", got
+
+
+async def test_one_model_and_metrics_on_the_api_port(stack):
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer sesame"}) as s:
+        async with s.get(stack.http + "/v1/models") as resp:
+            name = (await resp.json())["data"][0]["id"]
+        async with s.get(stack.http + f"/v1/models/{name}") as resp:
+            card = await resp.json()
+        assert resp.status == 200 and card["id"] == name and card["object"] == "model"
+        async with s.get(stack.http + "/v1/models/gpt-9") as resp:
+            got = await resp.json()
+        assert resp.status == 404 and got["error"]["code"] == "model_not_found" and got["error"]["param"] == "model"
+        async with s.get(stack.http + "/metrics") as resp:
+            page = await resp.text()
+        assert resp.status == 200 and "pdserve_gateway_workers" in page
+    async with aiohttp.ClientSession() as s, s.get(stack.http + "/metrics") as resp:
+        assert resp.status == 401  # behind the key, like the API

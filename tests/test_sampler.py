@@ -212,3 +212,27 @@ def test_two_level_inverse_cdf_matches_one_cumsum_and_skips_zero_weights():
         assert got[0].item() in heavy and got[2].item() == vocab - 5
         assert torch.equal(got[:1], want[:1].clamp(max=vocab - 1)), u
         assert abs(got[1].item() - want[1].item()) <= 1, u  # sums in a different order may move a boundary
+
+
+def test_logit_bias_shifts_its_tokens_only():
+    """+100 makes a greedy row pick the biased token, -100 bans the favourite; a neighbour without a bias in the same
+    batch keeps its own argmax; a sampled row with a -100 bias never draws that token."""
+    logits = torch.stack([_logits_for(PROBS)] * 3)
+    s = Sampler(5)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias=((0, 100.0),)),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logit_bias=((1, -100.0),)),
+    ]
+    out = s.sample(logits, params, [[2]] * 3, [1] * 3)
+    assert [o.token_id for o in out] == [0, 1, 3]
+    drawn = SamplingParams(temperature=1.0, seed=7, logit_bias=((1, -100.0), (3, -100.0)))
+    tokens = {s.sample(logits[:1], [drawn], [[2] * (i + 1)], [1])[0].token_id for i in range(50)}
+    assert tokens and not tokens & {1, 3}
+
+
+@pytest.mark.parametrize("bias", [((0, 100.5),), ((9, 1.0),), (((-1, 1.0)),)])
+def test_logit_bias_is_validated(bias):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(logit_bias=bias).validate(vocab_size=5)
+    assert e.value.param == "logit_bias"
