@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -367,3 +368,106 @@ def test_ports_in_time_wait_do_not_count_as_taken():
         busy.listen()
         with pytest.raises(CLIError, match="--http-port"):
             _check_ports_free("127.0.0.1", [("gateway", busy.getsockname()[1])])
+
+
+def test_usable_cpus_follow_the_cgroup_quota(tmp_path):
+    """cgroup v2 and v1 quotas, the process's own cgroup before the mount's root, 'max' as unlimited."""
+    from pdserve.cli.services import cpu_quota
+
+    proc = tmp_path / "cgroup"
+    v2 = tmp_path / "v2"
+    (v2 / "pods" / "a").mkdir(parents=True)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    (v2 / "pods" / "a" / "cpu.max").write_text("150000 100000\n")
+    proc.write_text("0::/pods/a\n")
+    assert cpu_quota(v2, proc) == 1.5
+    proc.write_text("0::/\n")
+    assert cpu_quota(v2, proc) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct" / "docker" / "x").mkdir(parents=True)
+    (v1 / "cpu,cpuacct" / "docker" / "x" / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu,cpuacct" / "docker" / "x" / "cpu.cfs_period_us").write_text("100000\n")
+    proc.write_text("4:cpu,cpuacct:/docker/x\n3:memory:/docker/x\n")
+    assert cpu_quota(v1, proc) == 0.5
+    (v1 / "cpu,cpuacct" / "docker" / "x" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota(v1, proc) is None
+
+
+def test_a_worker_in_a_cpu_limited_cgroup_starts_that_many_threads(tmp_path):
+    """A real start under a 0.5-CPU quota: one torch thread, and the log says why (threads beyond the quota only
+    get throttled)."""
+    group = Path("/sys/fs/cgroup/cpu") / f"pdserve-test-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text("50000")
+    except OSError as e:
+        pytest.skip(f"cannot make a cgroup v1 cpu group here: {e}")
+    try:
+        port = free_port()
+
+        def enter() -> None:
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "colocated",
+                "--port",
+                str(port),
+                "--metrics-port",
+                "-1",
+                "--kv-cache-memory",
+                "64M",
+            ],
+            env={**service_env(), "PDSERVE_LOG_LEVEL": "INFO"},
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=enter,
+        )
+        try:
+            lines = []
+            deadline = time.monotonic() + 120
+            assert proc.stderr is not None
+            while time.monotonic() < deadline:
+                line = proc.stderr.readline()
+                if not line:
+                    break
+                lines.append(line)
+                if "torch threads:" in line:
+                    break
+            said = next((ln for ln in lines if "torch threads:" in ln), "")
+            assert "torch threads: 1 (the cgroup's CPU quota of 0.5 CPUs" in said, "".join(lines[-20:])
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    "level, flags, checkpoint, want",
+    [
+        ("avx2", {"avx2", "fma", "f16c"}, "bfloat16", "float32"),  # AVX2-only: bf16 would crawl
+        ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "bfloat16", "bfloat16"),
+        ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "float16", "float32"),  # no AVX512-FP16
+        ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_fp16"}, "float16", "float16"),
+        ("avx2", {"avx2"}, "float32", "float32"),
+    ],
+)
+def test_dtype_auto_is_what_this_cpu_computes_well(tmp_path, monkeypatch, level, flags, checkpoint, want):
+    from pdserve.cli import services
+    from pdserve.kernels import cpu_isa
+
+    (tmp_path / "config.json").write_text(f'{{"torch_dtype": "{checkpoint}"}}')
+    monkeypatch.setattr(cpu_isa, "level", lambda: level)
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: flags)
+    assert services.model_and_dtype(str(tmp_path), "auto", "cpu")[1] == want
+    assert services.model_and_dtype(str(tmp_path), "bfloat16", "cpu")[1] == "bfloat16", "an explicit dtype is kept"

@@ -64,7 +64,7 @@ def _generate_local(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p or 1.0, seed=args.seed
     ).validate()  # before the model loads: a bad value costs nothing
-    path, dtype = model_and_dtype(args.model, args.dtype)
+    path, dtype = model_and_dtype(args.model, args.dtype, args.device)
     cfg = EngineConfig(model=path, dtype=dtype, kv_cache_memory=256 << 20, max_num_seqs=8, device=args.device)
     tokenizer = Tokenizer(Path(path))
     engine = EngineCore(cfg)

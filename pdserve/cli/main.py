@@ -184,7 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     _api_key_arg(up, server=True)
 
     gw = command("gateway", "the public gRPC API and the OpenAI-compatible HTTP API")
-    gw.add_argument("--model", default="default", help="the model whose tokenizer and chat template to use")
+    gw.add_argument(
+        "--model",
+        default=os.environ.get("PDSERVE_MODEL", "default"),
+        help="the model whose tokenizer and chat template to use (default $PDSERVE_MODEL, else 'default'); workers "
+        "serving another model are not routed to",
+    )
     _server_args(gw, 50051, 9400)
     for gateway_options in (GatewayOptions, RoutingOptions, HTTPOptions):
         add_options(gw, gateway_options)

@@ -130,7 +130,9 @@ def to_argv(options: Any, **values: Any) -> list[str]:
 class EngineOptions:
     """One engine (a worker process); the flags of `up`, `prefill`, `decode` and `colocated`."""
 
-    model: str = option("default", "model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)")
+    model: str = option(
+        "default", "model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)", env=("PDSERVE_MODEL",)
+    )
     dtype: str = option("auto", "auto (the checkpoint's), float32, bfloat16, float16")
     block_size: int = option(_ENGINE.block_size, "tokens per KV-cache block")
     kv_cache_memory: int = option(_ENGINE.kv_cache_memory, "KV pool size per worker, e.g. 512M, 2G", parse=parse_size)

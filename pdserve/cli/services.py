@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
+import os
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,8 +22,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve")
 
 
-def model_and_dtype(model: str, dtype: str) -> tuple[str, str]:
-    """Resolve the model directory, and 'auto' to the dtype its checkpoint was saved in."""
+def cpu_computes(dtype: str) -> bool:
+    """Whether this CPU (at its PDSERVE_CPU_ISA level) has the instructions oneDNN needs to compute `dtype` fast:
+    bf16 from AVX-512 BW/VL/DQ (or AMX / AVX-NE-CONVERT), fp16 from AVX-512-FP16 or AMX-FP16. Without them torch's
+    half-precision matmuls ran at under 1 GFLOP/s on an AVX2-only EPYC (float32: 19)."""
+    from pdserve.kernels import cpu_isa
+
+    flags = cpu_isa.cpu_flags()
+    if dtype == "bfloat16":
+        return cpu_isa.level() == "avx512" or (cpu_isa.cap() is None and bool({"amx_bf16", "avx_ne_convert"} & flags))
+    if dtype == "float16":
+        return cpu_isa.level() == "avx512" and bool({"avx512_fp16", "amx_fp16"} & flags)
+    return True
+
+
+def model_and_dtype(model: str, dtype: str, device: str = "cpu") -> tuple[str, str]:
+    """Resolve the model directory, and 'auto' to the dtype its checkpoint was saved in, lowered to float32 on a CPU
+    that does not compute that half precision well (logged): the default must run well on any CPU."""
     import json
 
     from pdserve.engine.model_store import resolve_model
@@ -30,7 +47,77 @@ def model_and_dtype(model: str, dtype: str) -> tuple[str, str]:
     if dtype == "auto":
         cfg = json.loads((path / "config.json").read_text())
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        on_cpu = device == "cpu" or (device == "auto" and not _has_cuda())
+        if on_cpu and not cpu_computes(dtype):
+            log.info("--dtype auto: the checkpoint is %s, which this CPU does not compute well: float32", dtype)
+            dtype = "float32"
+        else:
+            log.info("--dtype auto: %s (the checkpoint's)", dtype)
     return str(path), dtype
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cgroup_paths(proc_cgroup: Path = Path("/proc/self/cgroup")) -> dict[str, str]:
+    """controller ("" for cgroup v2) -> this process's cgroup path, from /proc/self/cgroup."""
+    paths: dict[str, str] = {}
+    try:
+        for line in proc_cgroup.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                paths[c] = path
+    except (OSError, ValueError):
+        pass
+    return paths
+
+
+def _read_quota(folder: Path) -> float | None | bool:
+    """The CPU quota in `folder` (v2 cpu.max, or v1 cfs files): CPUs, None for unlimited, False when not there."""
+    try:
+        quota, period = ((folder / "cpu.max").read_text().split() + ["100000"])[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((folder / "cpu.cfs_quota_us").read_text())
+        period_us = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return False
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+
+
+def cpu_quota(root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """CPUs' worth of time this process's cgroup may use (cgroup v2 `cpu.max`, or v1 `cfs_quota_us /
+    cfs_period_us`); None when unlimited or unreadable. The process's own cgroup first (a host, or a container
+    without a cgroup namespace), then the mount's root (a container sees its own cgroup there)."""
+    paths = _cgroup_paths(proc_cgroup)
+    folders = []
+    if "" in paths:
+        folders.append(root / paths[""].lstrip("/"))
+    for mount in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        if "cpu" in paths:
+            folders.append(root / mount / paths["cpu"].lstrip("/"))
+    folders += [root, root / "cpu", root / "cpu,cpuacct"]
+    for folder in folders:
+        found = _read_quota(folder)
+        if found is not False:
+            return found
+    return None
+
+
+def usable_cpus(root: Path = Path("/sys/fs/cgroup")) -> tuple[int, str]:
+    """How many threads this process can keep busy: its CPU affinity, lowered to its cgroup's CPU quota (a
+    container's `--cpus` / a pod's CPU limit), rounded up; and a line saying which bound applied. Threads beyond
+    the quota only get throttled by the kernel's CFS."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cpu_quota(root)
+    if quota is not None and math.ceil(quota) < affinity:
+        return max(1, math.ceil(quota)), f"the cgroup's CPU quota of {quota:g} CPUs ({affinity} CPUs in affinity)"
+    return affinity, f"{affinity} CPUs in affinity" + (f", cgroup quota {quota:g}" if quota is not None else "")
 
 
 def available_memory() -> int | None:
@@ -63,7 +150,7 @@ def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
     from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
     from pdserve.engine.kv_cache import plan_kv_cache
 
-    path, dtype = model_and_dtype(options.model, options.dtype)
+    path, dtype = model_and_dtype(options.model, options.dtype, options.device)
     try:
         layout = plan_kv_cache(
             ModelConfig.from_dir(Path(path)), parse_dtype(dtype), options.block_size, options.kv_cache_memory
@@ -96,10 +183,16 @@ def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
         max_num_batched_tokens=options.max_num_batched_tokens,
         max_model_len=options.max_model_len,
         enable_prefix_caching=options.prefix_caching,
-        num_threads=options.threads,
+        num_threads=options.threads or _default_threads(),
         attention_backend=options.attention_backend,
         device=options.device,
     )
+
+
+def _default_threads() -> int:
+    threads, why = usable_cpus()
+    log.info("torch threads: %d (%s; --threads overrides)", threads, why)
+    return threads
 
 
 def routable(host: str) -> str:

@@ -33,7 +33,7 @@ from pdserve.cli.options import (
     from_args,
     to_argv,
 )
-from pdserve.cli.services import engine_config, tls_config
+from pdserve.cli.services import engine_config, tls_config, usable_cpus
 
 _PR_SET_PDEATHSIG = 1
 
@@ -129,7 +129,7 @@ def _threads(engine: EngineOptions, up: UpOptions) -> tuple[int, int, int]:
     workers half, so that when both run, fewer OpenMP threads than twice the cores fight over them. On 2 cores
     (c=1 / 8 / 32, tok/s): one thread each 60.7 / 256 / 472, two each 77.9 / 174 / 425, prefill one and decode
     two 70.0 / 287 / 476."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = usable_cpus()[0]
     prefill = engine.threads or max(1, cores // 2 // max(1, up.prefill_workers))
     decode = engine.threads or max(1, cores // up.decode_workers)
     return cores, prefill, decode
