@@ -36,6 +36,9 @@ from pdserve.wire import (
 log = logging.getLogger(__name__)
 
 
+MISS_REFRESH_S = 1.0
+
+
 class PrefillClients:
     """One channel per prefill worker address; turns a PrefillJob into a Prefill RPC. With `allowed`, only
     those prefill workers are ever dialled (names are resolved, so a DNS name covers its replicas)."""
@@ -62,7 +65,10 @@ class PrefillClients:
         if not self.allowed or address in self.allowed:
             return True
         loop = asyncio.get_running_loop()
-        if loop.time() - self._resolved_at > self._refresh:
+        age = loop.time() - self._resolved_at
+        # a name not found is looked up again at once (at most every second): a prefill pod that just scaled up
+        # is allowed as soon as DNS has it, not up to `refresh` seconds later
+        if age > self._refresh or (address not in self._resolved and age > MISS_REFRESH_S):
             found: set[str] = set()
             for name in self.allowed:
                 host, _, port = name.rpartition(":")
@@ -117,7 +123,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         first = True
         try:
             if prefill and self.prefill is not None and not await self.prefill.allows(prefill):
-                raise PrefillNotAllowed(f"does not dial prefill worker {prefill}: not among those it was started with")
+                raise PrefillNotAllowed(
+                    f"decode worker {self.address} does not dial prefill worker {prefill}: not among those it was "
+                    "started with (--prefill)"
+                )
             async for events in self.worker.generate(
                 rid, list(request.prompt_token_ids), params, prefill, stream_id, deadline
             ):
@@ -130,6 +139,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
             await context.abort(
                 e.code(), f"prefill worker {prefill}: {e.details()}", failure_metadata("prefill", prefill)
             )
+        except PrefillNotAllowed as e:  # the gateway tries another prefill worker
+            await context.abort(status_of(e), str(e), failure_metadata("prefill", prefill))
         except TransferError as e:
             await context.abort(
                 status_of(e),

@@ -297,6 +297,10 @@ class RequestPath:
         meta = {k: v for k, v in (e.trailing_metadata() or ())}
         party = meta.get(FAILED_PARTY, "decode")
         address = meta.get(FAILED_ADDRESS) or (prefill.address if party == "prefill" and prefill else decode.address)
+        if code == grpc.StatusCode.PERMISSION_DENIED and party == "prefill" and prefill is not None and not streamed:
+            # this decode worker does not (yet) know that prefill worker (a pod that just scaled up): another
+            # prefill worker can serve the request; the worker is not down
+            return _Retry(RequestError(code, e.details() or code.name), address)
         if code in (
             grpc.StatusCode.INVALID_ARGUMENT,
             grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -167,11 +167,14 @@ class Router:
         tls: TLSConfig | None = None,
         overlap_weight: float = 1.0,
         kv_aware: bool = True,
+        model: str = "",
     ) -> None:
+        """`model`: the model this gateway serves; a worker that reports another is never routed to."""
         if not decode:
             raise ValueError(
                 "need at least one decode worker address (and prefill workers, unless the decode workers are colocated)"
             )
+        self.model = model
         self.poll_interval = poll_interval
         self.probe_interval = min(probe_interval, poll_interval)
         self.overlap_weight = overlap_weight
@@ -295,7 +298,19 @@ class Router:
             timeout = max(self.poll_interval, 1.0) * (1 + w.misses)
             try:
                 mine = w.inflight_tokens
-                w.polled(await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=timeout), mine)
+                stats = await w.stub.GetStats(worker_pb2.StatsRequest(), timeout=timeout)
+                if self.model and stats.model and stats.model != self.model:
+                    if w.healthy or w.misses < self.MAX_MISSES:
+                        log.error(
+                            "%s worker %s serves model %r, not this gateway's %r: not routing to it",
+                            w.role,
+                            w.address,
+                            stats.model,
+                            self.model,
+                        )
+                    w.healthy, w.misses = False, self.MAX_MISSES
+                    return
+                w.polled(stats, mine)
                 if not w.healthy:
                     log.info("%s worker %s is up", w.role, w.address)
                 w.healthy, w.misses = True, 0

@@ -124,6 +124,7 @@ async def serve(
         tls=tls,
         kv_aware=kv_aware,
         overlap_weight=overlap_weight,
+        model=model_dir.name,
     )
     path = RequestPath(
         tokenizer, model_dir.name, router, max_prompt_bytes=max_prompt_bytes, tracer=tracing.tracer, metrics=metrics

@@ -24,9 +24,9 @@ ROLES = ("gateway", "prefill", "decode")
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) not installed")
 
 
-def render(overlay: str) -> list[dict]:
+def render(overlay: str, root: Path = K8S) -> list[dict]:
     out = subprocess.run(
-        ["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
+        ["kubectl", "kustomize", str(root / "overlays" / overlay)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -65,7 +65,8 @@ def test_every_object_is_valid_for_the_kubernetes_schema(overlay):
     assert {o["kind"] for o in objs} >= {"Namespace", "Deployment", "Service", "PodDisruptionBudget", "ConfigMap"}
     for o in objs:
         kubernetes_validate.validate(o, KUBERNETES_VERSION, strict=True)
-        assert o["metadata"].get("namespace", "pdserve") == "pdserve"
+        if o["kind"] != "Namespace":  # every namespaced object names it: a generated one without lands elsewhere
+            assert o["metadata"].get("namespace") == "pdserve", (o["kind"], o["metadata"]["name"])
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu", "secure"])
@@ -144,3 +145,142 @@ def test_manifest_args_are_shell_free():
     for d in by_kind(render("cpu"), "Deployment").values():
         for a in container(d)["args"]:
             assert shlex.split(a) == [a]
+
+
+EXTERNAL_SECRETS = {"pdserve-tls", "pdserve-api-key"}  # the operator creates these (README, the components)
+
+
+def _references(pod: dict) -> dict[str, set[str]]:
+    """kind -> names a pod template refers to: ConfigMaps, Secrets, PersistentVolumeClaims."""
+    refs: dict[str, set[str]] = {"ConfigMap": set(), "Secret": set(), "PersistentVolumeClaim": set()}
+    for c in pod["spec"]["containers"]:
+        for e in c.get("envFrom", []):
+            for key, kind in (("configMapRef", "ConfigMap"), ("secretRef", "Secret")):
+                if key in e:
+                    refs[kind].add(e[key]["name"])
+        for e in c.get("env", []):
+            source = e.get("valueFrom", {})
+            for key, kind in (("configMapKeyRef", "ConfigMap"), ("secretKeyRef", "Secret")):
+                if key in source:
+                    refs[kind].add(source[key]["name"])
+    for v in pod["spec"].get("volumes", []):
+        for key, kind, name in (
+            ("configMap", "ConfigMap", "name"),
+            ("secret", "Secret", "secretName"),
+            ("persistentVolumeClaim", "PersistentVolumeClaim", "claimName"),
+        ):
+            if key in v:
+                refs[kind].add(v[key][name])
+    return refs
+
+
+def _custom_overlay(tmp_path: Path) -> Path:
+    """A copy of k8s/ with an overlay of a user's own: their model on a PVC, NetworkPolicies."""
+    root = tmp_path / "k8s"
+    shutil.copytree(K8S, root)
+    mine = root / "overlays" / "mine"
+    mine.mkdir()
+    (mine / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: pdserve\n"
+        "resources: [../cpu]\ncomponents: [../../components/model-pvc, ../../components/networkpolicy]\n"
+        "configMapGenerator:\n  - {name: pdserve-model, behavior: replace, literals: [model=/models/Llama-3.2-1B]}\n"
+    )
+    return root
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "secure", "mine"])
+def test_every_reference_resolves_in_the_pods_namespace(overlay, tmp_path):
+    """What a cluster reports only as CreateContainerConfigError: each ConfigMap, Secret and claim a pod names
+    exists (or is one the operator creates) in the pod's own namespace; each Service a role dials exists."""
+    objs = render(overlay, _custom_overlay(tmp_path) if overlay == "mine" else K8S)
+    have = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objs}
+    for d in by_kind(objs, "Deployment").values():
+        ns = d["metadata"]["namespace"]
+        for kind, names in _references(d["spec"]["template"]).items():
+            for name in names:
+                external = kind == "Secret" and name in EXTERNAL_SECRETS
+                assert external or (kind, ns, name) in have, f"{d['metadata']['name']} needs {kind} {ns}/{name}"
+        args = cli_args(container(d))
+        for dialled in (getattr(args, "prefill", ""), getattr(args, "decode", "")):
+            for target in filter(None, (dialled or "").split(",")):
+                assert ("Service", ns, target.rsplit(":", 1)[0]) in have, target
+    if overlay == "mine":
+        configmaps = by_kind(objs, "ConfigMap")
+        models = {_model_of(d, configmaps) for d in by_kind(objs, "Deployment").values()}
+        assert models == {"/models/Llama-3.2-1B"}, "one setting names the model for every role"
+        for d in by_kind(objs, "Deployment").values():
+            (volume,) = [v for v in d["spec"]["template"]["spec"]["volumes"] if v["name"] == "models"]
+            assert volume == {
+                "name": "models",
+                "persistentVolumeClaim": {"claimName": "pdserve-models", "readOnly": True},
+            }
+
+
+def _model_of(d: dict, configmaps: dict[str, dict]) -> str:
+    env = {e["name"]: e for e in container(d)["env"]}
+    ref = env["PDSERVE_MODEL"]["valueFrom"]["configMapKeyRef"]
+    return configmaps[ref["name"]]["data"][ref["key"]]
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu", "secure"])
+def test_operations_defaults(overlay):
+    """What a first deployment trips on: the CPU-agnostic dtype, one model setting for every role, probe timeouts
+    above the 1 s default, side-loaded images, a preStop pause, spreading over nodes, budgets that protect."""
+    objs = render(overlay)
+    for name, d in by_kind(objs, "Deployment").items():
+        c, spec = container(d), d["spec"]["template"]["spec"]
+        args = cli_args(c)
+        if args.command != "gateway":
+            assert args.dtype == "auto", f"{name}: a pinned half precision crash-loops or crawls on AVX2-only CPUs"
+        assert "PDSERVE_MODEL" in {e["name"] for e in c["env"]}
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+        assert c["imagePullPolicy"] == "IfNotPresent"
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[kind].get("timeoutSeconds", 1) >= 5, f"{name} {kind}"
+        assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+        term = spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+        assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        assert matches(
+            term["podAffinityTerm"]["labelSelector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"]
+        )
+    for budget in by_kind(objs, "PodDisruptionBudget").values():
+        assert budget["spec"].get("minAvailable") == 1 and "maxUnavailable" not in budget["spec"]
+
+
+def _allowed(policy: dict, from_component: str | None, port: int) -> bool:
+    for rule in policy["spec"].get("ingress", []):
+        sources = rule.get("from")
+        if sources is not None and not any(
+            s.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") == from_component
+            for s in sources
+        ):
+            continue
+        for p in rule.get("ports", []):
+            if p["port"] <= port <= p.get("endPort", p["port"]):
+                return True
+    return False
+
+
+def test_network_policies_let_through_exactly_what_pdserve_dials():
+    objs = render("secure")
+    policies = {
+        p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p
+        for p in by_kind(objs, "NetworkPolicy").values()
+    }
+    assert set(policies) == set(ROLES)
+    deployments = by_kind(objs, "Deployment")
+    gateway, prefill, decode = (cli_args(container(deployments[f"pdserve-{r}"])) for r in ROLES)
+    low, high = (int(x) for x in decode.kv_data_ports.split("-"))
+    assert prefill.kv_data_ports == decode.kv_data_ports
+    assert _allowed(policies["gateway"], None, gateway.port) and _allowed(policies["gateway"], None, gateway.http_port)
+    assert _allowed(policies["prefill"], "gateway", prefill.port) and _allowed(
+        policies["prefill"], "decode", prefill.port
+    )
+    assert _allowed(policies["decode"], "gateway", decode.port)
+    assert _allowed(policies["decode"], "prefill", decode.kv_port)
+    for port in (low, high):  # UCX's data paths, both ways
+        assert _allowed(policies["decode"], "prefill", port) and _allowed(policies["prefill"], "decode", port)
+    assert not _allowed(policies["decode"], "gateway", decode.kv_port), "only prefill pods reach the KV door"
+    assert not _allowed(policies["prefill"], None, prefill.port), "strangers do not reach the workers"
+    for role in ROLES:
+        assert _allowed(policies[role], None, 9400)

@@ -177,6 +177,11 @@ async def test_decode_dials_only_prefill_workers_it_was_given():
                 async for _ in call:
                     pass
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # through the gateway: the refusal names the prefill worker, which is tried no more (none is left here)
+        async with Client(guarded.gateway) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.complete(prompt="Hello there", max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--prefill" in err.value.details()
         assert guarded.stats(guarded.decode[0], "decode").kv_blocks_used == 0
     finally:
         guarded.stop()

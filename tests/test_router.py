@@ -222,3 +222,52 @@ async def test_a_slow_worker_stays_routable_until_it_misses_polls_in_a_row():
         assert not d.healthy
     finally:
         await router.close()
+
+
+class _ModelStub:
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    async def GetStats(self, request, timeout: float):
+        return worker_pb2.WorkerStats(kv_blocks_total=100, block_size=16, model=self.model)
+
+
+async def test_a_worker_serving_another_model_is_never_routed_to():
+    """A worker whose stats name another model than the gateway's stays out of the pool (a stack pointed at two
+    models by mistake must not answer with the wrong one); it joins once it serves the right one."""
+    router = Router([], [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"], model="SmolLM2", poll_interval=1.0)
+    try:
+        right, wrong = router.decode
+        right.stub, wrong.stub = _ModelStub("SmolLM2"), _ModelStub("Llama-3-8B")
+        await router.poll()
+        assert right.healthy and not wrong.healthy
+        for _ in range(5):
+            with router.pick() as lease:
+                assert routed(lease)[0] is right
+        wrong.stub = _ModelStub("SmolLM2")
+        await router.poll()
+        assert wrong.healthy
+    finally:
+        await router.close()
+
+
+async def test_a_decode_worker_allows_a_new_prefill_pod_as_soon_as_dns_has_it(monkeypatch):
+    """The --prefill allowlist is looked up again on a miss (at most every MISS_REFRESH_S), not only every
+    `refresh` seconds: a prefill pod that just scaled up is dialled on its first request."""
+    from pdserve.decode_service import server
+
+    answers = [["10.0.0.1"], ["10.0.0.1", "10.0.0.2"]]
+    looked_up = []
+
+    async def resolve(host: str, port: int) -> list[str]:
+        looked_up.append(host)
+        return answers[min(len(looked_up) - 1, 1)]
+
+    monkeypatch.setattr(server, "resolve_ipv4", resolve)
+    monkeypatch.setattr(server, "MISS_REFRESH_S", 0.0)
+    clients = server.PrefillClients(timeout=5, allowed=["pdserve-prefill:50061"], refresh=3600)
+    assert await clients.allows("10.0.0.1:50061")
+    assert await clients.allows("10.0.0.2:50061")  # a miss: looked up again at once, and found
+    assert not await clients.allows("10.0.0.3:50061")
+    assert await clients.allows("10.0.0.1:50061") and len(looked_up) == 3  # hits need no lookup
+    await clients.close()
