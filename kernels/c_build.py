@@ -6,6 +6,11 @@ built for this CPU (`-march=native`, or the level `PDSERVE_CPU_ISA` caps it to: 
 another machine, so an image built elsewhere cannot carry instructions this CPU lacks. Loaded into a process that
 runs torch, a library binds to the libgomp torch already loaded, so its threads are torch's own pool. Without a C
 compiler, `build` returns None and callers keep their torch paths.
+
+Where nothing can be built or loaded (no compiler, a read-only cache and a `noexec` /tmp: a hardened container),
+libraries prebuilt per CPU level (`python -m pdserve.kernels.c_build --prebuild DIR`, done in the image) are
+loaded from `<cache>/prebuilt` or `$PDSERVE_KERNELS_PREBUILT`: the one for this CPU's level (`-march=x86-64-v4`
+for avx512, `-v3` for avx2), never one above it.
 """
 
 from __future__ import annotations
@@ -27,8 +32,21 @@ log = logging.getLogger(__name__)
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
 
 
-def flags() -> tuple[str, ...]:
-    return (*FLAGS, f"-march={cpu_isa.march()}")
+PREBUILT_ENV = "PDSERVE_KERNELS_PREBUILT"
+
+
+def flags(march: str | None = None) -> tuple[str, ...]:
+    return (*FLAGS, f"-march={march or cpu_isa.march()}")
+
+
+def _sources_key(source: Path, extra: list[str]) -> str:
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources may include
+    return hashlib.sha256("\0".join([source.read_text(), *headers, *extra]).encode()).hexdigest()[:16]
+
+
+def prebuilt_name(source: Path, level: str, defines: tuple[str, ...] = ()) -> str:
+    """A library built for a CPU level, not a machine: its name holds the level and a hash of source and flags."""
+    return f"{source.stem}-{level}-{_sources_key(source, [' '.join(flags(cpu_isa.MARCH[level])), *defines])}.so"
 
 
 def _cpu_id() -> str:
@@ -68,8 +86,7 @@ def build(source: Path, cache_dir: Path, defines: tuple[str, ...] = ()) -> ctype
     wanted = os.environ.get("CC")
     compiler = shutil.which(wanted) if wanted else shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.info("no C compiler (%s): %s stays on the torch path", wanted or "cc", what)
-        return None
+        return _prebuilt(source, cache_dir, defines, f"no C compiler ({wanted or 'cc'})")
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources may include
     key = hashlib.sha256(
         "\0".join([source.read_text(), *headers, " ".join(flags()), *defines, compiler, _cpu_id()]).encode()
@@ -86,5 +103,55 @@ def build(source: Path, cache_dir: Path, defines: tuple[str, ...] = ()) -> ctype
             return None
         except (OSError, subprocess.SubprocessError) as e:
             log.info("%s in %s: %s", what, root, e)
-    log.warning("no writable place to build %s; staying on the torch path", what)
+    return _prebuilt(source, cache_dir, defines, "no writable, executable place to build it")
+
+
+def _prebuilt(source: Path, cache_dir: Path, defines: tuple[str, ...], why: str) -> ctypes.CDLL | None:
+    """The library prebuilt for this CPU's level, where one was shipped; else None (the torch path)."""
+    level = cpu_isa.level()
+    if level in cpu_isa.MARCH and platform.machine() in ("x86_64", "AMD64"):
+        folder = Path(os.environ.get(PREBUILT_ENV) or cache_dir / "prebuilt")
+        path = folder / prebuilt_name(source, level, defines)
+        if path.is_file():
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as e:
+                log.warning("%s: the prebuilt %s does not load either (%s)", why, path, e)
+            else:
+                log.info("%s: %s loaded prebuilt for %s from %s", why, source.stem, level, folder)
+                return lib
+    log.warning("%s: %s stays on the torch path", why, source.stem)
     return None
+
+
+def prebuild(sources: list[Path], folder: Path) -> list[Path]:
+    """Every source built for every CPU level, into `folder` (an image build does this once)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler to prebuild the kernels with")
+    folder.mkdir(parents=True, exist_ok=True)
+    built = []
+    for source in sources:
+        for level, march in cpu_isa.MARCH.items():
+            target = folder / prebuilt_name(source, level)
+            subprocess.run(
+                [compiler, *flags(march), str(source), "-o", str(target)], check=True, capture_output=True, timeout=300
+            )
+            built.append(target)
+    return built
+
+
+def main() -> None:
+    import argparse
+
+    from pdserve.kernels import cpu_elementwise, cpu_paged_attention
+
+    parser = argparse.ArgumentParser(description="prebuild the C kernels for every CPU level (for images)")
+    parser.add_argument("--prebuild", type=Path, required=True, help="folder to put the libraries in")
+    args = parser.parse_args()
+    for path in prebuild([cpu_elementwise.SOURCE, cpu_paged_attention.SOURCE], args.prebuild):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -6,6 +6,7 @@ check what the services export.
 from __future__ import annotations
 
 import gzip
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -186,7 +187,11 @@ class TraceConsole:
 
 
 def serve_console(host: str, port: int, quiet: float = 8.0) -> None:
-    """Run until Ctrl-C, printing each finished trace."""
+    """Run until Ctrl-C or SIGTERM, printing each finished trace. SIGTERM gets a handler of its own: as a
+    container's PID 1 (compose, k8s) the kernel drops signals whose disposition is the default, so `docker stop`
+    would otherwise wait out its grace period and kill."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     console = TraceConsole(quiet)
     with OTLPReceiver(host, port, on_spans=console.seen) as receiver:
         print(
@@ -194,8 +199,8 @@ def serve_console(host: str, port: int, quiet: float = 8.0) -> None:
             flush=True,
         )
         try:
-            while True:
-                time.sleep(0.5)
+            while not stop.wait(0.5):
                 console.flush_ready(receiver)
         except KeyboardInterrupt:
-            console.flush_ready(receiver, force=True)
+            pass
+        console.flush_ready(receiver, force=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -78,3 +79,73 @@ def test_bfloat16_serves_under_every_cap(tiny_model_dir, level):
     # the same model in bf16: greedy tokens may differ only where the kernels round differently; on this tiny
     # random model they do not
     assert capped[2] == uncapped[2], (capped, uncapped)
+
+
+_LOAD_BOTH = """
+import logging, sys, torch
+from pathlib import Path
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+from pdserve.kernels import cpu_elementwise, cpu_paged_attention
+cache = Path(sys.argv[1])
+attention, elementwise = cpu_paged_attention.load(cache), cpu_elementwise.load(cache)
+print("LOADED", attention is not None, elementwise is not None)
+"""
+
+
+@pytest.mark.parametrize("level", ["avx2", "portable"])
+def test_kernels_prebuilt_per_level_load_where_nothing_can_be_built(tmp_path, level):
+    """A hardened container: no C compiler (or nowhere writable and executable to put a library). The libraries
+    the image prebuilt for every level load instead, the one for this CPU's (capped) level."""
+    from pdserve.kernels import c_build, cpu_elementwise, cpu_paged_attention
+
+    if cpu_isa.detected() == "portable":
+        pytest.skip("not an x86-64 CPU with AVX2")
+    prebuilt = tmp_path / "prebuilt"
+    c_build.prebuild([cpu_elementwise.SOURCE, cpu_paged_attention.SOURCE], prebuilt)
+    env = {**os.environ, "CC": "/nonexistent/cc", c_build.PREBUILT_ENV: str(prebuilt), cpu_isa.ENV: level}
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD_BOTH, str(tmp_path / "cache")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "LOADED True True" in out.stdout, out.stdout + out.stderr
+    assert f"loaded prebuilt for {level}" in out.stdout
+    # without the prebuilt folder the same process stays on torch, and says so
+    env[c_build.PREBUILT_ENV] = str(tmp_path / "none")
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD_BOTH, str(tmp_path / "cache")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "LOADED False False" in out.stdout and "stays on the torch path" in out.stdout
+
+
+def test_a_noexec_tmp_falls_back_to_the_prebuilt_kernels(tmp_path):
+    """The cache and the temp directory on `noexec` mounts (a container's tmpfs): a library compiles there but
+    cannot be mapped; the prebuilt one loads."""
+    from pdserve.kernels import c_build, cpu_elementwise, cpu_paged_attention
+
+    if cpu_isa.detected() == "portable" or shutil.which("unshare") is None:
+        pytest.skip("not an x86-64 CPU with AVX2, or no unshare (util-linux)")
+    prebuilt = tmp_path / "prebuilt"
+    c_build.prebuild([cpu_elementwise.SOURCE, cpu_paged_attention.SOURCE], prebuilt)
+    noexec = tmp_path / "noexec"
+    noexec.mkdir()
+    script = (
+        f"mount -t tmpfs -o noexec tmpfs {noexec} && TMPDIR={noexec} {sys.executable} -c '{_LOAD_BOTH}' {noexec}/cache"
+    )
+    probe = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", f"mount -t tmpfs -o noexec tmpfs {noexec}"], capture_output=True, timeout=30
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a noexec tmpfs here: {probe.stderr.decode().strip()}")
+    env = {**os.environ, c_build.PREBUILT_ENV: str(prebuilt)}
+    out = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert "LOADED True True" in out.stdout, out.stdout + out.stderr
+    assert "loaded prebuilt for" in out.stdout
