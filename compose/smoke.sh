@@ -87,6 +87,12 @@ services:
       retries: 30
     ports: []
 YAML
+if [ -n "${PDSERVE_CPU_ISA:-}" ]; then  # run the services as on a lower CPU (e.g. avx2: one without AVX-512)
+    for svc in prefill decode gateway; do
+        printf '  %s:\n    environment: {PDSERVE_CPU_ISA: "%s"}\n' "$svc" "$PDSERVE_CPU_ISA" >> "$WORK/smoke.yml"
+    done
+    log "services capped to PDSERVE_CPU_ISA=$PDSERVE_CPU_ISA"
+fi
 log "starting gateway, prefill, decode and the trace receiver"
 "${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" down -t 5 >/dev/null 2>&1 || true
 "${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" up -d --wait --wait-timeout 600 \
