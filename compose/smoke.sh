@@ -66,6 +66,10 @@ python3 -m pip download -q --no-deps -d torch-wheels "torch==${TORCH_VERSION:-2.
     > "$WORK/wheel.log" 2>&1 || python3 -m pip download -q --no-deps -d torch-wheels "torch==${TORCH_VERSION:-2.13.0}" \
     >> "$WORK/wheel.log" 2>&1 || true
 ls torch-wheels/torch-*+cpu-*.whl >/dev/null 2>&1 || log "warning: no CPU torch wheel found; the image may carry CUDA torch"
+if ! curl -sfI --max-time 10 "$TORCH_INDEX/" >/dev/null; then
+    # torch's own dependencies then come from PyPI; torch itself from torch-wheels/ (+cpu sorts above PyPI's build)
+    TORCH_INDEX=https://pypi.org/simple
+fi
 log "building pdserve:latest on $BASE, torch from $TORCH_INDEX"
 start=$(date +%s)
 buildkit=0; docker buildx version >/dev/null 2>&1 && buildkit=1  # the legacy builder where buildx is missing

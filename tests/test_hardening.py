@@ -354,3 +354,42 @@ def test_metrics_stay_on_this_host_when_the_api_is_secured():
     assert metrics_host(args, secured=False) == "0.0.0.0"
     args.metrics_host = "0.0.0.0"
     assert metrics_host(args, secured=True) == "0.0.0.0"
+
+
+async def test_a_prefill_worker_refuses_a_prompt_its_backlog_would_start_too_late(tiny_model_dir, monkeypatch):
+    """Queued tokens over the measured prefill rate past the decode worker's start_within: RESOURCE_EXHAUSTED at
+    once (the gateway retries elsewhere), before any KV connection is made; within it, the job goes ahead."""
+    import dataclasses
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.errors import QueueFull, status_of
+    from pdserve.prefill_service.worker import PrefillWorker
+    from pdserve.wire import PrefillJob
+
+    worker = PrefillWorker(EngineConfig(model=str(tiny_model_dir), num_blocks=64, block_size=4), transport="tcp")
+    await worker.start()
+    try:
+        real = worker.core.stats
+        monkeypatch.setattr(worker.core, "stats", lambda: dataclasses.replace(real(), queued_tokens=1000))
+        worker.tokens_per_second = 10.0  # a backlog of ~100 s
+        job = PrefillJob(
+            "r",
+            [5, 6, 7],
+            3,
+            SamplingParams(max_tokens=2),
+            "tcp://127.0.0.1:1",
+            worker.layout.fingerprint,
+            "t",
+            "s",
+            start_within=45.0,
+        )
+        with pytest.raises(QueueFull) as e:
+            await worker.prefill(job)
+        assert status_of(e.value) == grpc.StatusCode.RESOURCE_EXHAUSTED and "backlog of 1000 tokens" in str(e.value)
+        worker.tokens_per_second = 1000.0  # ~1 s: it goes ahead (and fails only on the KV target, which is a hole)
+        with pytest.raises(Exception) as e:
+            await asyncio.wait_for(worker.prefill(dataclasses.replace(job, transfer_id="t2")), 30)
+        assert not isinstance(e.value, QueueFull)
+    finally:
+        await worker.stop()
