@@ -27,10 +27,12 @@ docker compose version >/dev/null 2>&1 || COMPOSE=("$(python3 -c 'import importl
 
 cleanup() {
     local rc=$?
-    if [ "$rc" != 0 ]; then  # keep what the services said: `down` deletes the containers and their logs
+    if [ "$rc" != 0 ] && [ -f "$WORK/smoke.yml" ]; then  # keep what the services said: `down` deletes them
         "${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" logs --no-color \
             > "$WORK/compose-logs.txt" 2>&1 || true
         log "FAILED (exit $rc): the services' logs are in $WORK/compose-logs.txt"
+    elif [ "$rc" != 0 ]; then
+        log "FAILED (exit $rc) before the stack started: see $WORK/*.log"
     fi
     "${COMPOSE[@]}" -p pdserve-smoke -f compose/docker-compose.yml -f "$WORK/smoke.yml" down -t 45 >/dev/null 2>&1 || true
     if [ "${STARTED_DOCKERD:-}" = 1 ]; then
