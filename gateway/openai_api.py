@@ -431,36 +431,37 @@ def create_app(
             "max_model_len": path.router.max_model_len,
         }
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
+    def answered(request: Request, build) -> Response:
+        """`build()`'s response for an authorized caller; OpenAI's error shape for any RequestError."""
         try:
             authorize(request)
+            return build()
         except RequestError as e:
             return _error_response(e)
-        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return answered(request, lambda: JSONResponse({"object": "list", "data": [model_card()]}))
 
     @app.get("/v1/models/{model:path}")
-    async def model(request: Request, model: str) -> JSONResponse:
-        try:
-            authorize(request)
+    async def model(request: Request, model: str) -> Response:
+        def card() -> JSONResponse:
             if model != path.model_name:
                 raise RequestError(
                     grpc.StatusCode.NOT_FOUND,
                     f"the model {model!r} does not exist; this server serves {path.model_name!r}",
                     "model",
                 )
-        except RequestError as e:
-            return _error_response(e)
-        return JSONResponse(model_card())
+            return JSONResponse(model_card())
+
+        return answered(request, card)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """The gateway's Prometheus page on the API port too (benchmark clients look there); behind the key."""
-        try:
-            authorize(request)
-        except RequestError as e:
-            return _error_response(e)
-        return Response(generate_latest(path.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return answered(
+            request, lambda: Response(generate_latest(path.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        )
 
     async def generate(request: Request, chat: bool):
         name = "/v1/chat/completions" if chat else "/v1/completions"

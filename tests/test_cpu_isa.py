@@ -92,6 +92,12 @@ print("LOADED", attention is not None, elementwise is not None)
 """
 
 
+def _load_both(env: dict, cache) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _LOAD_BOTH, str(cache)], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
 @pytest.mark.parametrize("level", ["avx2", "portable"])
 def test_kernels_prebuilt_per_level_load_where_nothing_can_be_built(tmp_path, level):
     """A hardened container: no C compiler (or nowhere writable and executable to put a library). The libraries
@@ -103,24 +109,12 @@ def test_kernels_prebuilt_per_level_load_where_nothing_can_be_built(tmp_path, le
     prebuilt = tmp_path / "prebuilt"
     c_build.prebuild([cpu_elementwise.SOURCE, cpu_paged_attention.SOURCE], prebuilt)
     env = {**os.environ, "CC": "/nonexistent/cc", c_build.PREBUILT_ENV: str(prebuilt), cpu_isa.ENV: level}
-    out = subprocess.run(
-        [sys.executable, "-c", _LOAD_BOTH, str(tmp_path / "cache")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _load_both(env, tmp_path / "cache")
     assert "LOADED True True" in out.stdout, out.stdout + out.stderr
     assert f"loaded prebuilt for {level}" in out.stdout
     # without the prebuilt folder the same process stays on torch, and says so
     env[c_build.PREBUILT_ENV] = str(tmp_path / "none")
-    out = subprocess.run(
-        [sys.executable, "-c", _LOAD_BOTH, str(tmp_path / "cache")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _load_both(env, tmp_path / "cache")
     assert "LOADED False False" in out.stdout and "stays on the torch path" in out.stdout
 
 
