@@ -393,3 +393,49 @@ async def test_a_prefill_worker_refuses_a_prompt_its_backlog_would_start_too_lat
         assert not isinstance(e.value, QueueFull)
     finally:
         await worker.stop()
+
+
+async def test_a_prompt_still_queued_when_its_transfer_would_expire_is_dropped_not_computed(
+    tiny_model_dir, monkeypatch
+):
+    """start_within passes while the prompt waits in the queue (here: a queue that never reaches it): the job
+    ends with RESOURCE_EXHAUSTED and is taken off the engine, so it is never computed for a transfer that expired."""
+    import torch
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.errors import QueueFull
+    from pdserve.kvtransfer.receiver import KVReceiver
+    from pdserve.kvtransfer.tcp_transport import TCPTransport
+    from pdserve.prefill_service.worker import PrefillWorker
+    from pdserve.wire import PrefillJob
+
+    worker = PrefillWorker(EngineConfig(model=str(tiny_model_dir), num_blocks=64, block_size=4), transport="tcp")
+    layout = worker.layout
+    receiver = await KVReceiver(
+        torch.zeros(layout.shape, dtype=worker.core.kv_cache.dtype), layout, TCPTransport()
+    ).start()
+    await worker.start()
+    aborted = []
+    try:
+        monkeypatch.setattr(worker.loop, "submit", lambda seq, on_output: None)  # the queue never gets to it
+        real_abort = worker.loop.abort
+        monkeypatch.setattr(worker.loop, "abort", lambda seq: (aborted.append(seq.request_id), real_abort(seq)))
+        receiver.expect("t", [0, 1], "s")
+        job = PrefillJob(
+            "late",
+            [5, 6, 7],
+            3,
+            SamplingParams(max_tokens=2),
+            receiver.address,
+            layout.fingerprint,
+            "t",
+            "s",
+            start_within=0.3,
+        )
+        with pytest.raises(QueueFull, match="not started within"):
+            await asyncio.wait_for(worker.prefill(job), 30)
+        assert aborted == ["late"] and not worker._jobs
+    finally:
+        await worker.stop()
+        await receiver.close()
