@@ -253,14 +253,12 @@ class DecodeWorker:
             # the transfer may expire (no sender began it in time) while the call still waits in a queue there:
             # give up on the call then, which cancels the job on the prefill worker
             await asyncio.wait([call, arrived], return_when=asyncio.FIRST_COMPLETED)
-            if not call.done() and arrived.done() and arrived.exception() is not None:
-                call.cancel()
-                await asyncio.gather(call, return_exceptions=True)
+            if not call.done() and arrived.exception() is not None:
                 raise arrived.exception()  # type: ignore[misc]
             result = await call
             self.observer.transferred(await asyncio.wait_for(asyncio.shield(arrived), self.receiver.timeout))
         finally:
-            if not call.done():  # this request was cancelled: so is its prefill
+            if not call.done():  # the transfer expired, or this request was cancelled: so is its prefill
                 call.cancel()
                 await asyncio.gather(call, return_exceptions=True)
             writing = self.receiver.cancel(transfer_id)

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import resource
 import time
 import uuid
@@ -115,8 +116,12 @@ def _get(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) ->
     return value
 
 
-_INT_RANGES = {"max_tokens": (0, 2**32 - 1), "min_tokens": (0, 2**32 - 1), "top_k": (-(2**31), 2**31 - 1)}
-_INT_RANGES["seed"] = (0, 2**64 - 1)
+_INT_RANGES = {  # the proto fields' ranges: a value beyond them is the caller's error, not a protobuf exception
+    "max_tokens": (0, 2**32 - 1),
+    "min_tokens": (0, 2**32 - 1),
+    "top_k": (-(2**31), 2**31 - 1),
+    "seed": (0, 2**64 - 1),
+}
 
 
 def _set_int(s: common_pb2.SamplingParams, name: str, value: int) -> None:
@@ -358,6 +363,9 @@ class _Renderer:
 # ---- the app -------------------------------------------------------------------------------------------------
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_body(raw: bytes) -> dict:
     """The body's JSON object; RequestError naming what is wrong (bad JSON, nesting too deep for the parser, a
     lone surrogate, which no tokenizer or protobuf string can hold)."""
@@ -369,6 +377,8 @@ def parse_body(raw: bytes) -> dict:
         raise invalid(None, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
+    if not _SURROGATE_ESCAPE.search(raw):  # valid UTF-8 holds no surrogates: only a \uD8xx..\uDFxx escape can
+        return body
     for name, value in body.items():
         try:
             json.dumps(value, ensure_ascii=False).encode()

@@ -58,7 +58,13 @@ def _cpu_id() -> str:
     return f"{platform.machine()} {flags}"
 
 
-def _compile(compiler: str, source: Path, target: Path, defines: tuple[str, ...]) -> None:
+def _compiler() -> tuple[str | None, str]:
+    """The C compiler's path ($CC, else cc or gcc; None where there is none) and the name asked for."""
+    wanted = os.environ.get("CC")
+    return (shutil.which(wanted) if wanted else shutil.which("cc") or shutil.which("gcc")), wanted or "cc"
+
+
+def _compile(compiler: str, source: Path, target: Path, defines: tuple[str, ...], march: str | None = None) -> None:
     """Compile into a temporary file next to `target`, then rename: processes starting together never load a
     half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -66,7 +72,7 @@ def _compile(compiler: str, source: Path, target: Path, defines: tuple[str, ...]
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *flags(), *(f"-D{d}" for d in defines), str(source), "-o", tmp],
+            [compiler, *flags(march), *(f"-D{d}" for d in defines), str(source), "-o", tmp],
             check=True,
             capture_output=True,
             text=True,
@@ -83,15 +89,10 @@ def build(source: Path, cache_dir: Path, defines: tuple[str, ...] = ()) -> ctype
     loaded; None, with the reason logged, where there is no C compiler or it fails. `defines` are preprocessor
     symbols."""
     what = source.stem
-    wanted = os.environ.get("CC")
-    compiler = shutil.which(wanted) if wanted else shutil.which("cc") or shutil.which("gcc")
+    compiler, wanted = _compiler()
     if compiler is None:
-        return _prebuilt(source, cache_dir, defines, f"no C compiler ({wanted or 'cc'})")
-    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources may include
-    key = hashlib.sha256(
-        "\0".join([source.read_text(), *headers, " ".join(flags()), *defines, compiler, _cpu_id()]).encode()
-    )
-    name = f"{what}-{key.hexdigest()[:16]}.so"
+        return _prebuilt(source, cache_dir, defines, f"no C compiler ({wanted})")
+    name = f"{what}-{_sources_key(source, [' '.join(flags()), *defines, compiler, _cpu_id()])}.so"
     for root in (cache_dir, Path(tempfile.gettempdir()) / "pdserve-kernels"):
         path = root / name
         try:
@@ -126,17 +127,14 @@ def _prebuilt(source: Path, cache_dir: Path, defines: tuple[str, ...], why: str)
 
 def prebuild(sources: list[Path], folder: Path) -> list[Path]:
     """Every source built for every CPU level, into `folder` (an image build does this once)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler, wanted = _compiler()
     if compiler is None:
-        raise RuntimeError("no C compiler to prebuild the kernels with")
-    folder.mkdir(parents=True, exist_ok=True)
+        raise RuntimeError(f"no C compiler ({wanted}) to prebuild the kernels with")
     built = []
     for source in sources:
         for level, march in cpu_isa.MARCH.items():
             target = folder / prebuilt_name(source, level)
-            subprocess.run(
-                [compiler, *flags(march), str(source), "-o", str(target)], check=True, capture_output=True, timeout=300
-            )
+            _compile(compiler, source, target, (), march)
             built.append(target)
     return built
 

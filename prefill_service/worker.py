@@ -23,7 +23,7 @@ from pdserve.engine.model_runner import LayerHook
 from pdserve.engine.sampler import SampleOutput
 from pdserve.engine.sampling_params import InvalidParameter
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.engine.sequence import Sequence
+from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.errors import QueueFull, WorkerClosing
 from pdserve.kernels.kv_layout import LayoutMismatch
 from pdserve.kvtransfer.backends import make_transport
@@ -45,7 +45,6 @@ class _Job:
     future: asyncio.Future[PrefillResult]
     watch: JobWatch
     sending: bool = False
-    started: bool = False  # has a step computed any of its tokens?
 
 
 class PrefillWorker:
@@ -129,13 +128,12 @@ class PrefillWorker:
         stats = self.core.stats()
         if stats.waiting >= self.max_queued:
             raise QueueFull(f"{stats.waiting} prompts already waiting")
-        if job.start_within > 0 and self.tokens_per_second > 0:
-            eta = stats.queued_tokens / self.tokens_per_second
-            if eta > job.start_within:
-                raise QueueFull(
-                    f"a backlog of {stats.queued_tokens} tokens (~{eta:.0f}s) would start this prompt after its "
-                    f"KV transfer expires ({job.start_within:.0f}s)"
-                )
+        backlog = stats.queued_tokens + stats.prefilling_tokens
+        if job.start_within > 0 and self.tokens_per_second > 0 and backlog / self.tokens_per_second > job.start_within:
+            raise QueueFull(
+                f"a backlog of {backlog} tokens (~{backlog / self.tokens_per_second:.0f}s) would start this prompt "
+                f"after its KV transfer expires ({job.start_within:.0f}s)"
+            )
         if not self.sender.connected(job.kv_address):
             with self.observer.connecting(job.kv_address):
                 await self.sender.connect(job.kv_address)
@@ -191,17 +189,13 @@ class PrefillWorker:
 
     def _on_step(self, batch: ScheduledBatch, seconds: float) -> None:
         self.observer.step(batch, seconds, self._watch_of)
-        for seq in batch.seqs:
-            entry = self._jobs.get(seq)
-            if entry is not None:
-                entry.started = True
         if batch.num_tokens and seconds > 0:
             rate = batch.num_tokens / seconds
             self.tokens_per_second = rate if not self.tokens_per_second else 0.8 * self.tokens_per_second + 0.2 * rate
 
     def _expire(self, entry: _Job) -> None:
         """A prompt still queued when its decode worker is about to expire the transfer is dropped, not computed."""
-        if not entry.started and self._jobs.get(entry.seq) is entry:
+        if entry.seq.status is SequenceStatus.WAITING and self._jobs.get(entry.seq) is entry:
             self._fail(entry, QueueFull(f"not started within {entry.spec.start_within:.0f}s (the KV transfer expires)"))
 
     def _watch_of(self, seq: Sequence) -> JobWatch | None:
