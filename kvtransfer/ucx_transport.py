@@ -208,6 +208,12 @@ class UCXConnection(Connection):
 
         self._watch = asyncio.get_running_loop().create_task(watch())
 
+    async def linger(self, timeout: float) -> None:
+        """Wait, at most `timeout`, for the peer to close its end: the door closing aborts the peer's endpoint,
+        so a side that ends the conversation (a receiver refusing a layout) lets its last message be read first."""
+        if self._watch is not None:
+            await asyncio.wait([self._watch], timeout=timeout)
+
     def abort(self) -> None:
         if not self.ep.closed:
             self.ep.abort(period=10**8)
@@ -303,6 +309,7 @@ class UCXListener(Listener):
                 return
             conn.watch_door(reader)
             await self._handler(conn)
+            await conn.linger(HANDSHAKE_TIMEOUT)
         finally:
             if conn is not None:
                 await conn.close()
