@@ -205,8 +205,15 @@ class Runner:
             self.record("hf-generate", batch, metrics, {"note": "static batches, no streaming"})
 
     def pdserve(self, colocated: bool) -> None:
+        for quantization in self.args.quantization:
+            self._pdserve(colocated, quantization)
+
+    def _pdserve(self, colocated: bool, quantization: str) -> None:
         name = "pdserve-colocated" if colocated else "pdserve-disagg"
+        if quantization != "none":
+            name += f" ({quantization})"
         port, http = free_port(), free_port()
+        log = self.out / (name.replace(" (", "-").rstrip(")") + ".log")
         argv = [
             sys.executable,
             "-m",
@@ -215,7 +222,9 @@ class Runner:
             "WARNING",
             "up",
             "--dtype",
-            "bfloat16",
+            self.args.dtype,
+            "--quantization",
+            quantization,
             "--port",
             str(port),
             "--prefill-port",
@@ -233,12 +242,12 @@ class Runner:
         ]
         if colocated:
             argv.append("--colocated")
-        proc = spawn(argv, self.out / f"{name}.log", {"UCX_NET_DEVICES": "lo"})
+        proc = spawn(argv, log, {"UCX_NET_DEVICES": "lo"})
         try:
             deadline = time.monotonic() + 600
-            while "serving;" not in (self.out / f"{name}.log").read_text():
+            while "serving;" not in log.read_text():
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not start (see {name}.log)")
+                    raise RuntimeError(f"{name} did not start (see {log.name})")
                 time.sleep(1)
             address = f"127.0.0.1:{port}"
             self.sweep(name, lambda: GrpcTarget(address))
@@ -397,6 +406,10 @@ def main() -> None:
     ap.add_argument("--mixed-long", type=int, default=1024)
     ap.add_argument("--mixed-long-fraction", type=float, default=0.25)
     ap.add_argument("--mixed-output", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16", help="pdserve's --dtype")
+    ap.add_argument(
+        "--quantization", nargs="+", default=["none"], help="pdserve's weight formats, one run each (none, gguf, ...)"
+    )
     ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
     ap.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for aggregated vLLM")
     ap.add_argument("--vllm-prefill-bind", default="0")

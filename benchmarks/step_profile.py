@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", default="none", help="none, q8_0, q4_0 or gguf (CPU weight format)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--rows", type=int, default=25, help="profiler table rows")
@@ -46,6 +47,7 @@ def main() -> None:
             kv_cache_memory=1 << 30,
             max_num_batched_tokens=max(2048, args.context),
             attention_backend=args.attention_backend,
+            quantization=args.quantization,
         )
     )
     rng = random.Random(0)

@@ -20,6 +20,8 @@ _DTYPES = {
     "fp16": "float16",
 }
 
+QUANTIZATIONS = ("none", "q8_0", "q4_0", "gguf")  # CPU weight formats (engine.weight_format)
+
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     import torch
@@ -109,4 +111,5 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto, flash-attn, triton, torch
     device: str = "cpu"  # cpu, cuda, cuda:N, or auto (cuda when present)
     num_threads: int | None = None
+    quantization: str = "none"  # CPU weight format: none, q8_0, q4_0, gguf (engine.weight_format)
     fused_elementwise: bool = True  # bf16 on CPU: RMSNorm, rope, SiLU-and-mul as one-pass C kernels (False: torch)

@@ -15,6 +15,7 @@ def plan_kv_cache(
     memory_bytes: int,
     num_blocks: int | None = None,
     device: str = "cpu",
+    weights: str = "none",
 ) -> KVLayout:
     """The cache layout for this model, with as many blocks as `memory_bytes` holds unless `num_blocks` is given."""
     if block_size < 1:
@@ -28,6 +29,7 @@ def plan_kv_cache(
         cfg.head_dim,
         0,
         device,
+        weights,
     )
     n = num_blocks if num_blocks is not None else memory_bytes // layout.block_nbytes
     if n < 1:

@@ -11,17 +11,17 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine import weight_format
 from pdserve.engine.attention import AttentionMetadata, select_backend
 from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
 from pdserve.engine.host_memory import keep_freed_memory
 from pdserve.engine.kv_cache import plan_kv_cache
 from pdserve.engine.model import LlamaForCausalLM, load_model
-from pdserve.engine.model_store import cache_dir, resolve_model
+from pdserve.engine.model_store import cache_dir, gguf_source, resolve_model
 from pdserve.engine.sampler import SampleOutput, Sampler, SamplingError
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.kernels import cpu_elementwise, cpu_isa
+from pdserve.kernels import cpu_elementwise, cpu_isa, quant_linear
 from pdserve.kernels.kv_layout import KVLayout
-from pdserve.kernels.packed_linear import pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -70,23 +70,21 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory()
         model = model.to(device)
-        packed = pack_linears(model)
+        weight_format.check(cfg.quantization, device.type)
         if device.type == "cpu":
             log.info("CPU level %s (%s)", cpu_isa.level(), f"capped by {cpu_isa.ENV}" if cpu_isa.cap() else "detected")
-        if packed:
-            log.info("packed %d linear weights for this CPU", packed)
-        elif device.type == "cpu" and dtype != torch.float32:
-            log.warning(
-                "this CPU has no native %s matrix unit for oneDNN: linear layers run on plain torch, "
-                "usually slower than --dtype float32 here",
-                str(dtype).removeprefix("torch."),
-            )
+            wants_kernels = cfg.quantization != "none" or dtype == torch.bfloat16
+            kernels = quant_linear.load(cache_dir() / "kernels") if wants_kernels else None
+            gguf = gguf_source(resolve_model(cfg.model)) if cfg.quantization == "gguf" else None
+            log.info("%s", weight_format.apply(model, cfg.quantization, dtype, kernels, gguf))
         if device.type == "cpu" and dtype == torch.bfloat16 and cfg.fused_elementwise:
             ops = cpu_elementwise.load(cache_dir() / "kernels")
             if ops is not None:
                 model.use_ops(ops.rms_norm, ops.apply_rope, ops.silu_and_mul)
                 log.info("element-wise steps: one-pass C kernels (%s)", cpu_elementwise.SOURCE.name)
-        layout = plan_kv_cache(model.config, dtype, cfg.block_size, cfg.kv_cache_memory, cfg.num_blocks, device.type)
+        layout = plan_kv_cache(
+            model.config, dtype, cfg.block_size, cfg.kv_cache_memory, cfg.num_blocks, device.type, cfg.quantization
+        )
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             layout.num_blocks,

@@ -85,6 +85,30 @@ def _converted(gguf: Callable[[], Path], out: Path) -> Path:
     return out
 
 
+_SOURCE_FILE = "gguf_source.txt"
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file a converted model directory came from (what `--quantization gguf` reads), or None."""
+    marker = model_dir / _SOURCE_FILE
+    if marker.is_file():
+        path = Path(marker.read_text().strip())
+        if path.is_file():
+            return path
+    if model_dir.name == DEFAULT_MODEL and model_dir.parent == cache_dir() / "models":
+        return _bundled_gguf()
+    return None
+
+
+def _remember_source(out: Path, gguf: Path) -> None:
+    marker = out / _SOURCE_FILE
+    try:
+        if not marker.is_file() or marker.read_text().strip() != str(gguf):
+            marker.write_text(f"{gguf}\n")
+    except OSError as e:
+        log.info("cannot record %s as the source of %s: %s", gguf, out, e)
+
+
 def needs_conversion(model: str | None) -> bool:
     """Whether `resolve_model(model)` will first convert a GGUF checkpoint (tens of seconds, once)."""
     if model in (None, "", "default", DEFAULT_MODEL):
@@ -99,7 +123,9 @@ def resolve_model(model: str | None) -> Path:
         return _converted(_bundled_gguf, cache_dir() / "models" / DEFAULT_MODEL)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _converted(lambda: path, cache_dir() / "models" / path.stem)
+        out = _converted(lambda: path, cache_dir() / "models" / path.stem)
+        _remember_source(out, path.resolve())
+        return out
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model {model!r}: not a directory with config.json, a .gguf file, or 'default'")
     return path

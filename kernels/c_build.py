@@ -142,12 +142,12 @@ def prebuild(sources: list[Path], folder: Path) -> list[Path]:
 def main() -> None:
     import argparse
 
-    from pdserve.kernels import cpu_elementwise, cpu_paged_attention
+    from pdserve.kernels import cpu_elementwise, cpu_paged_attention, quant_linear
 
     parser = argparse.ArgumentParser(description="prebuild the C kernels for every CPU level (for images)")
     parser.add_argument("--prebuild", type=Path, required=True, help="folder to put the libraries in")
     args = parser.parse_args()
-    for path in prebuild([cpu_elementwise.SOURCE, cpu_paged_attention.SOURCE], args.prebuild):
+    for path in prebuild([cpu_elementwise.SOURCE, cpu_paged_attention.SOURCE, quant_linear.SOURCE], args.prebuild):
         print(path)
 
 

@@ -34,6 +34,7 @@ class KVLayout:
     head_dim: int
     num_blocks: int = 0  # this side's pool size; not part of the fingerprint
     device: str = "cpu"  # memory kind ("cpu" or "cuda"): part of the fingerprint, transports move it differently
+    weights: str = "none"  # the weights' format (--quantization): another one computes other KV values
 
     @classmethod
     def of(cls, cache: torch.Tensor, model: str) -> KVLayout:

@@ -38,6 +38,7 @@ from pdserve.cli.options import (
 )
 from pdserve.cli.services import cmd_gateway, cmd_worker
 from pdserve.cli.up import cmd_up
+from pdserve.engine.config import QUANTIZATIONS
 from pdserve.kernels import cpu_isa
 
 
@@ -242,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default="default", help="with --local: the model")
     gen.add_argument("--dtype", default="auto", help="with --local: auto, float32, bfloat16, float16")
     gen.add_argument("--device", default="cpu", help="with --local: cpu, cuda[:N] or auto")
+    gen.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="with --local: CPU weight format (none, q8_0, q4_0, gguf: the .gguf file's own types)",
+    )
     _sampling_args(gen)
     add_options(gen, TLSOptions)
     _api_key_arg(gen, server=False)

@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import QUANTIZATIONS, EngineConfig
 
 _ENGINE = EngineConfig()
 
@@ -134,6 +134,13 @@ class EngineOptions:
         "default", "model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)", env=("PDSERVE_MODEL",)
     )
     dtype: str = option("auto", "auto (the checkpoint's), float32, bfloat16, float16")
+    quantization: str = option(
+        "none",
+        "CPU weight format: none (--dtype), q8_0 or q4_0 (quantized at load), gguf (a .gguf model's own tensor "
+        "types, as the file holds them); a GPU runs none",
+        choices=QUANTIZATIONS,
+        env=("PDSERVE_QUANTIZATION",),
+    )
     block_size: int = option(_ENGINE.block_size, "tokens per KV-cache block")
     kv_cache_memory: int = option(_ENGINE.kv_cache_memory, "KV pool size per worker, e.g. 512M, 2G", parse=parse_size)
     max_num_seqs: int = option(_ENGINE.max_num_seqs, "sequences in one continuous batch at most")

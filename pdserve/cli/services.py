@@ -149,14 +149,23 @@ def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
     length fail here, in one line."""
     from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
     from pdserve.engine.kv_cache import plan_kv_cache
+    from pdserve.engine.model_store import gguf_source
 
     path, dtype = model_and_dtype(options.model, options.dtype, options.device)
     try:
         layout = plan_kv_cache(
             ModelConfig.from_dir(Path(path)), parse_dtype(dtype), options.block_size, options.kv_cache_memory
-        )
+        )  # the weights' format does not change a block's size
     except ValueError as e:
         raise CLIError(str(e)) from None
+    if options.quantization != "none" and options.device != "cpu":
+        raise CLIError(
+            f"--quantization {options.quantization} runs on a CPU only; with --device {options.device} use none"
+        )
+    if options.quantization == "gguf" and gguf_source(Path(path)) is None:
+        raise CLIError(
+            f"--quantization gguf needs a model that is a .gguf file (or 'default'); {options.model!r} is not"
+        )
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         if getattr(options, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
@@ -186,6 +195,7 @@ def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
         num_threads=options.threads or _default_threads(),
         attention_backend=options.attention_backend,
         device=options.device,
+        quantization=options.quantization,
     )
 
 

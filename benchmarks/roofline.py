@@ -1,0 +1,177 @@
+"""The engine against this machine's own limits: streaming-read bandwidth and GEMM rate, measured in the same run.
+
+    python -m pdserve.benchmarks.roofline [--formats fp32 bf16 q8_0 q4_0 gguf] [--threads 2] [--json out.json]
+    PDSERVE_CPU_ISA=avx2 python -m pdserve.benchmarks.roofline      # the AVX2 paths on an AVX-512 machine
+
+For each weight format it times the engine's decode step (batch 1 / 8 / 32, context 192: schedule, forward,
+sample) and a prompt's prefill (128 and 1024 tokens, one step each), and divides each by its limit: the bytes
+the step must read (weights once, plus the KV cache it attends over) at the measured bandwidth, or its flops at
+the measured fp32 GEMM rate, whichever is larger. A ratio of 1.0 is the machine's limit; 2.0 takes twice that.
+"""
+
+from __future__ import annotations
+
+from pdserve.kernels import cpu_isa
+
+cpu_isa.apply_cap()  # before torch: the cap reaches torch's kernels too
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+
+import torch  # noqa: E402
+
+FORMATS = {  # name: (dtype, --quantization)
+    "fp32": ("float32", "none"),
+    "bf16": ("bfloat16", "none"),
+    "q8_0": ("bfloat16", "q8_0"),
+    "q4_0": ("bfloat16", "q4_0"),
+    "gguf": ("bfloat16", "gguf"),
+}
+CONTEXT = 192
+
+
+@dataclass
+class Row:
+    format: str
+    what: str
+    ms: float
+    limit_ms: float
+    bound: str  # "bytes" or "flops": which limit binds
+
+    @property
+    def ratio(self) -> float:
+        return self.ms / self.limit_ms
+
+
+def _best(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def bandwidth() -> float:
+    """Bytes per second a sum over 1 GiB reads (best of 5): what a decode step's weight reads can reach."""
+    big = torch.ones(256 << 20)
+    return big.numel() * 4 / _best(big.sum, 5)
+
+
+def gemm_rate() -> float:
+    """fp32 flops per second of torch's GEMM at 2048^3 (best of 5)."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return 2 * 2048**3 / _best(lambda: a @ b, 5)
+
+
+def _engine(fmt: str, batch: int):
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.engine.model_store import resolve_model
+
+    dtype, quantization = FORMATS[fmt]
+    return EngineCore(
+        EngineConfig(
+            model=str(resolve_model(None)),
+            dtype=dtype,
+            quantization=quantization,
+            max_num_seqs=batch,
+            kv_cache_memory=1 << 30,
+            max_num_batched_tokens=2048,
+        )
+    )
+
+
+def measure(fmt: str, bw: float, gemm: float, steps: int) -> list[Row]:
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.weight_format import weight_bytes
+
+    core = _engine(fmt, 32)
+    cfg = core.runner.config
+    weights = weight_bytes(core.runner.model)
+    params = sum(m.in_features * m.out_features for m in _linear_modules(core.runner.model))
+    kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * core.layout.element_size
+    rng = random.Random(0)
+    rows: list[Row] = []
+    greedy = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
+    for batch in (1, 8, 32):
+        seqs = [core.add_request([rng.randrange(100, 40000) for _ in range(CONTEXT)], greedy) for _ in range(batch)]
+        while any(s.num_output_tokens == 0 for s in seqs):
+            core.step()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - t)
+        for s in seqs:
+            core.abort(s)
+        ms = statistics.median(times) * 1e3
+        read = weights + batch * (CONTEXT + steps) * kv_token
+        flops = 2 * batch * params
+        by_bytes, by_flops = read / bw * 1e3, flops / gemm * 1e3
+        rows.append(
+            Row(fmt, f"decode b={batch}", ms, max(by_bytes, by_flops), "bytes" if by_bytes >= by_flops else "flops")
+        )
+    for n in (128, 1024):
+
+        def prefill(n: int = n) -> None:
+            """A prompt of fresh random tokens (nothing in the prefix cache), prefilled in one step."""
+            seq = core.add_request([rng.randrange(100, 40000) for _ in range(n)], SamplingParams(max_tokens=1))
+            while not seq.is_finished:
+                core.step()
+
+        ms = _best(prefill, 3) * 1e3
+        attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n / 2
+        flops = 2 * n * params + attn
+        rows.append(Row(fmt, f"prefill {n}", ms, flops / gemm * 1e3, "flops"))
+    return rows
+
+
+def _linear_modules(model: torch.nn.Module) -> list:
+    from pdserve.kernels.packed_linear import PackedLinear
+    from pdserve.kernels.quant_linear import QuantLinear
+
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear | QuantLinear | PackedLinear)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12, help="decode steps timed per batch size (median)")
+    ap.add_argument("--json", help="write the rows and the limits here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    flags = sorted(f for f in cpu_isa.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+    bw, gemm = bandwidth(), gemm_rate()
+    print(f"CPU level {cpu_isa.level()} (flags: {' '.join(flags)}), {args.threads} threads")
+    print(f"limits: streaming read {bw / 1e9:.1f} GB/s, fp32 GEMM {gemm / 1e9:.0f} GFLOP/s\n")
+    print("| format | step | ms | limit ms | bound by | ratio |")
+    print("| --- | --- | ---: | ---: | --- | ---: |")
+    rows: list[Row] = []
+    for fmt in args.formats:
+        for row in measure(fmt, bw, gemm, args.steps):
+            rows.append(row)
+            print(f"| {row.format} | {row.what} | {row.ms:.1f} | {row.limit_ms:.1f} | {row.bound} | {row.ratio:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "level": cpu_isa.level(),
+                    "flags": flags,
+                    "bandwidth_gbs": bw / 1e9,
+                    "gemm_gflops": gemm / 1e9,
+                    "rows": [{**asdict(r), "ratio": r.ratio} for r in rows],
+                },
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()

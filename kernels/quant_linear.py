@@ -1,0 +1,275 @@
+"""Weight formats a linear layer can hold on a CPU, their packing for `cpu_linear.c`, and the layer that runs them.
+
+A decode step multiplies a few rows of activations by every weight once, so its time is the time to read the
+weights: smaller weights (bf16, int8 or 4-bit blocks, as GGUF files hold them) are a faster step, provided that
+turning them back into numbers costs less than the bytes saved. `cpu_linear.c` does that for up to a few dozen
+rows; prompt shapes (many rows) are compute-bound instead and run the fp32 GEMM over the weight dequantized into
+a scratch buffer, which costs one pass over the weight per call.
+
+The formats follow ggml's block formats (blocks of 32 along the input dimension, fp16 scales): `q8_0` (int8,
+one scale), `q4_0` (4-bit, one scale, offset 8), `q4_1` (4-bit, scale and minimum); `bf16` and `f32` hold the
+weight as it is. `Blocks` is a weight in one of them, row by row as a GGUF file stores it; `pack` lays it out for
+the kernel and `dequantize` is the reference (and the test oracle).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.kernels import c_build
+
+SOURCE = Path(__file__).with_name("cpu_linear.c")
+FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4}
+QUANTIZED = ("q8_0", "q4_0", "q4_1")
+GROUP, BLOCK = 16, 32
+PROMPT_ROWS = 128  # more rows than this: the fp32 GEMM over the dequantized weight
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass
+class Blocks:
+    """An [n, k] weight in `fmt`: for quantized formats `q` [n, nb, 32] (int8 for q8_0, 0..15 for q4) and fp16
+    scales `d` (and minimums `m` for q4_1) [n, nb]; for f32/bf16 `q` is the [n, k] weight itself."""
+
+    fmt: str
+    n: int
+    k: int
+    q: torch.Tensor
+    d: torch.Tensor | None = None
+    m: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes as a GGUF file stores it."""
+        if self.fmt in ("f32", "bf16"):
+            return self.q.numel() * self.q.element_size()
+        per_block = {"q8_0": 34, "q4_0": 18, "q4_1": 20}[self.fmt]
+        return self.n * self.q.shape[1] * per_block
+
+
+def num_blocks(k: int) -> int:
+    return (k + BLOCK - 1) // BLOCK
+
+
+def _blocked(w: torch.Tensor) -> torch.Tensor:
+    """[n, k] fp32 as [n, nb, 32], zero-padded."""
+    n, k = w.shape
+    nb = num_blocks(k)
+    return F.pad(w.float(), (0, nb * BLOCK - k)).view(n, nb, BLOCK)
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> Blocks:
+    """Round-to-nearest quantization of an fp32/bf16 [n, k] weight, as ggml's reference quantizers do."""
+    n, k = weight.shape
+    if fmt == "f32":
+        return Blocks(fmt, n, k, weight.float().contiguous())
+    if fmt == "bf16":
+        return Blocks(fmt, n, k, weight.to(torch.bfloat16).contiguous())
+    x = _blocked(weight)
+    if fmt == "q8_0":
+        d = x.abs().amax(-1) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = torch.round(x * inv[..., None]).clamp(-127, 127).to(torch.int8)
+        return Blocks(fmt, n, k, q, d.half())
+    if fmt == "q4_0":
+        idx = x.abs().argmax(-1, keepdim=True)
+        d = x.gather(-1, idx).squeeze(-1) / -8
+        inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+        q = torch.clamp(torch.floor(x * inv[..., None] + 8.5), 0, 15).to(torch.uint8)
+        return Blocks(fmt, n, k, q, d.half())
+    if fmt == "q4_1":
+        lo, hi = x.amin(-1), x.amax(-1)
+        d = (hi - lo) / 15
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = torch.clamp(torch.floor((x - lo[..., None]) * inv[..., None] + 0.5), 0, 15).to(torch.uint8)
+        return Blocks(fmt, n, k, q, d.half(), lo.half())
+    raise ValueError(f"weight format {fmt!r} is not one of {sorted(FORMATS)}")
+
+
+def from_gguf(raw: torch.Tensor, fmt: str, n: int, k: int) -> Blocks:
+    """A GGUF tensor's bytes (`[n, row bytes]` uint8, or the f32/bf16 values) as Blocks, without converting."""
+    if fmt in ("f32", "bf16"):
+        return Blocks(fmt, n, k, raw.reshape(n, k).contiguous())
+    nb = num_blocks(k)
+    per_block = {"q8_0": 34, "q4_0": 18, "q4_1": 20}[fmt]
+    b = raw.reshape(n, nb, per_block)
+    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+    if fmt == "q8_0":
+        return Blocks(fmt, n, k, b[..., 2:].contiguous().view(torch.int8), d)
+    start = 4 if fmt == "q4_1" else 2
+    qs = b[..., start:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1)  # element j in byte j's low nibble, j + 16 in its high one
+    m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1) if fmt == "q4_1" else None
+    return Blocks(fmt, n, k, q.contiguous(), d, m)
+
+
+def dequantize(b: Blocks) -> torch.Tensor:
+    """The fp32 [n, k] weight the blocks stand for."""
+    if b.fmt in ("f32", "bf16"):
+        return b.q.float()
+    assert b.d is not None
+    d = b.d.float()[..., None]
+    if b.fmt == "q8_0":
+        w = d * b.q.float()
+    elif b.fmt == "q4_0":
+        w = d * (b.q.float() - 8)
+    else:
+        assert b.m is not None
+        w = d * b.q.float() + b.m.float()[..., None]
+    return w.reshape(b.n, -1)[:, : b.k]
+
+
+def concat(parts: list[Blocks]) -> Blocks:
+    """Rows of several weights stacked (fused q/k/v or gate/up): one format, or fp32 where the formats differ."""
+    if len({p.fmt for p in parts}) > 1 or len({p.k for p in parts}) > 1:
+        return Blocks("f32", sum(p.n for p in parts), parts[0].k, torch.cat([dequantize(p) for p in parts]))
+    first = parts[0]
+
+    def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if ts[0] is None else torch.cat([t for t in ts if t is not None])
+
+    return Blocks(
+        first.fmt,
+        sum(p.n for p in parts),
+        first.k,
+        torch.cat([p.q for p in parts]),
+        cat([p.d for p in parts]),
+        cat([p.m for p in parts]),
+    )
+
+
+def pack(b: Blocks) -> torch.Tensor:
+    """The kernel's layout (see `cpu_linear.c`): uint8, groups of 16 rows, each a run of its blocks."""
+    n, nb = b.n, num_blocks(b.k)
+    groups = (n + GROUP - 1) // GROUP
+    pad = groups * GROUP - n
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:
+        """[n, nb, ...] -> [groups, nb, 16, ...]"""
+        t = F.pad(t, (0,) * (2 * (t.dim() - 1)) + (0, pad)) if pad else t
+        return t.reshape(groups, GROUP, *t.shape[1:]).transpose(1, 2)
+
+    if b.fmt in ("f32", "bf16"):
+        w = b.q.float() if b.fmt == "f32" else b.q.to(torch.bfloat16)
+        w = F.pad(w, (0, nb * BLOCK - b.k)).reshape(n, nb, BLOCK)
+        vals = by_group(w).transpose(2, 3).contiguous()  # [groups, nb, 32 (k), 16 (columns)]
+        return vals.view(torch.uint8).reshape(-1)
+    assert b.d is not None
+    q = by_group(b.q).transpose(2, 3)  # [groups, nb, 32 (k), 16 (columns)]
+    scales = [by_group(b.d).contiguous().view(torch.uint8)]
+    if b.fmt == "q4_1":
+        assert b.m is not None
+        scales.append(by_group(b.m).contiguous().view(torch.uint8))
+    if b.fmt == "q8_0":
+        body = q.contiguous().view(torch.uint8)
+    else:
+        body = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).contiguous()
+    parts = [s.reshape(groups, nb, -1) for s in scales] + [body.reshape(groups, nb, -1)]
+    return torch.cat(parts, dim=-1).reshape(-1).contiguous()
+
+
+class CpuLinear:
+    """The built `cpu_linear.c`: products and dequantization over packed weights."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._linear = lib.linear
+        self._linear.argtypes = [_P, _I64, _I, _I64, _I64, _P, _I, _I64, _P, _P, _I64, _I, _I]
+        self._linear.restype = _I
+        self._dequant = lib.dequantize
+        self._dequant.argtypes, self._dequant.restype = [_P, _I, _I64, _I64, _P, _I], _I
+        self._scratch = torch.empty(0)
+
+    def linear(
+        self, x: torch.Tensor, packed: torch.Tensor, fmt: str, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [m, k] fp32 or bf16, rows contiguous -> [m, n] in x's dtype; bias fp32."""
+        m, k = x.shape
+        out = torch.empty(m, n, dtype=x.dtype)
+        bf16 = x.dtype == torch.bfloat16
+        rc = self._linear(
+            x.data_ptr(),
+            x.stride(0),
+            bf16,
+            m,
+            k,
+            packed.data_ptr(),
+            FORMATS[fmt],
+            n,
+            bias.data_ptr() if bias is not None else None,
+            out.data_ptr(),
+            n,
+            bf16,
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise RuntimeError(f"cpu linear failed (code {rc}) on x {tuple(x.shape)}, weight {fmt} [{n}, {k}]")
+        return out
+
+    def dequantize(self, packed: torch.Tensor, fmt: str, n: int, k: int, into_scratch: bool = False) -> torch.Tensor:
+        """The fp32 weight, transposed: [k, n] contiguous (`.t()` is the [n, k] weight); into a buffer that the
+        next call reuses when `into_scratch`."""
+        if into_scratch:
+            if self._scratch.numel() < n * k:
+                self._scratch = torch.empty(n * k)
+            out = self._scratch[: n * k].view(k, n)
+        else:
+            out = torch.empty(k, n)
+        if self._dequant(packed.data_ptr(), FORMATS[fmt], n, k, out.data_ptr(), torch.get_num_threads()):
+            raise RuntimeError(f"cpu dequantize failed on weight {fmt} [{n}, {k}]")
+        return out
+
+
+def load(cache_dir: Path) -> CpuLinear | None:
+    """The kernels, built into `cache_dir` on first use (`kernels.c_build`); None where they cannot be built."""
+    lib = c_build.build(SOURCE, cache_dir)
+    return CpuLinear(lib) if lib is not None else None
+
+
+class QuantLinear(nn.Module):
+    """A linear layer over packed weights: the C kernel for decode shapes, the fp32 GEMM over the dequantized
+    weight for prompt shapes (or `prompt` where given: oneDNN's packed bf16, where this CPU has it). Activations
+    come and go in the model's dtype."""
+
+    packed: torch.Tensor  # a buffer: the weight in the kernel's layout
+    prompt: nn.Module | None
+
+    def __init__(
+        self,
+        blocks: Blocks,
+        bias: torch.Tensor | None,
+        kernels: CpuLinear,
+        prompt: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.fmt, self.in_features, self.out_features = blocks.fmt, blocks.k, blocks.n
+        self.register_buffer("packed", pack(blocks), persistent=False)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.kernels = kernels
+        self.prompt = prompt
+        self.nbytes = int(self.packed.numel())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= PROMPT_ROWS and x.stride(1) == 1 and x.dtype in _KERNEL_DTYPES:
+            return self.kernels.linear(x, self.packed, self.fmt, self.out_features, self.bias)
+        flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] > PROMPT_ROWS:
+            if self.prompt is not None:
+                return self.prompt(x)
+            wt = self.kernels.dequantize(self.packed, self.fmt, self.out_features, self.in_features, True)
+            xf = flat.float()
+            out = (torch.addmm(self.bias, xf, wt) if self.bias is not None else torch.mm(xf, wt)).to(x.dtype)
+        else:
+            if flat.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
+                flat = flat.float().contiguous()
+            out = self.kernels.linear(flat, self.packed, self.fmt, self.out_features, self.bias).to(x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, format={self.fmt}"

@@ -1,0 +1,126 @@
+"""Weight formats and `cpu_linear.c`: at every CPU level this machine can execute, a product over packed weights
+equals the fp32 product of the dequantized weights up to fp32 summation order, for every format, ragged shapes
+and both activation dtypes; GGUF blocks are read as the file holds them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels import cpu_isa, quant_linear
+from pdserve.kernels.quant_linear import FORMATS, Blocks, QuantLinear
+
+LEVELS = [lv for lv in cpu_isa.LEVELS if cpu_isa.LEVELS.index(lv) <= cpu_isa.LEVELS.index(cpu_isa.detected())]
+SHAPES = [  # (rows, out, in): one row, the 4- and 8-row tiles and their remainders, more than a 64-row chunk
+    (1, 16, 32),
+    (1, 37, 100),
+    (3, 576, 576),
+    (5, 19, 33),
+    (8, 48, 64),
+    (13, 130, 96),
+    (70, 33, 160),
+]
+
+
+@pytest.fixture(scope="module", params=LEVELS)
+def kernels(request, tmp_path_factory):
+    """`cpu_linear.c` built for one level (the cap chooses -march), as the engine would load it there."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv(cpu_isa.ENV, request.param)
+    lib = quant_linear.load(tmp_path_factory.mktemp(f"kernels-{request.param}"))
+    mp.undo()
+    if lib is None:
+        pytest.skip("no C compiler")
+    return lib
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What fp32 summation-order error can reach: a few ulps of sum |x||w|."""
+    return 64 * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().T) + 1e-30
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_product_is_the_fp32_product_of_the_dequantized_weights(kernels, fmt, shape):
+    m, n, k = shape
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x, bias = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
+    blocks = quant_linear.quantize(w, fmt)
+    dense = quant_linear.dequantize(blocks)
+    packed = quant_linear.pack(blocks)
+    out = kernels.linear(x, packed, fmt, n, bias)
+    ref = x.double() @ dense.double().T + bias.double()
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    assert ((out.double() - ref).abs() <= _bound(x, dense) + 1e-6).all(), (out - ref).abs().max()
+    # bf16 activations in and out: the same product, rounded once at the end
+    xb = x.bfloat16()
+    outb = kernels.linear(xb, packed, fmt, n, bias)
+    refb = (xb.double() @ dense.double().T + bias.double()).bfloat16()
+    assert outb.dtype == torch.bfloat16
+    assert ((outb.double() - refb.double()).abs() <= refb.double().abs() * 2**-7 + _bound(xb.float(), dense)).all()
+    # the whole weight back as fp32: what prompt shapes multiply
+    back = kernels.dequantize(packed, fmt, n, k)
+    assert back.shape == (k, n) and torch.allclose(back.t(), dense, rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_quantization_rounds_to_the_nearest_level_of_each_block(fmt):
+    w = torch.randn(24, 96) * torch.linspace(0.01, 3, 96)  # blocks of very different ranges
+    b = quant_linear.quantize(w, fmt)
+    assert b.d is not None and b.q.shape == (24, 3, 32)
+    step = b.d.float().abs().repeat_interleave(32, dim=1)
+    err = (quant_linear.dequantize(b) - w).abs()
+    # half a step (fp16 scales round a little); q4_0's levels run from -8 to 7 steps, with the largest magnitude
+    # on the -8 side, so the other side's extreme can lose up to a whole step, as in ggml
+    within = 1.0 if fmt == "q4_0" else 0.5
+    assert (err <= step * within + step * 1e-2 + 1e-3 * w.abs()).all()
+    assert b.nbytes == 24 * 3 * {"q8_0": 34, "q4_0": 18, "q4_1": 20}[fmt]
+
+
+def test_gguf_blocks_are_read_as_ggml_lays_them_out():
+    """A Q4_1 and a Q8_0 block written byte by byte as ggml does (fp16 scale, fp16 minimum, nibbles: element j
+    low, j + 16 high; int8 values) read back as those values."""
+    d, m = torch.tensor([0.5], dtype=torch.float16), torch.tensor([-2.0], dtype=torch.float16)
+    q = torch.arange(32) % 16
+    qs = (q[:16] | (q[16:] << 4)).to(torch.uint8)
+    raw = torch.cat([d.view(torch.uint8), m.view(torch.uint8), qs]).view(1, 20)
+    b = quant_linear.from_gguf(raw, "q4_1", 1, 32)
+    assert torch.equal(quant_linear.dequantize(b)[0], 0.5 * q.float() - 2.0)
+    q8 = torch.arange(-16, 16, dtype=torch.int8)
+    raw8 = torch.cat([d.view(torch.uint8), q8.view(torch.uint8)]).view(1, 34)
+    assert torch.equal(quant_linear.dequantize(quant_linear.from_gguf(raw8, "q8_0", 1, 32))[0], 0.5 * q8.float())
+
+
+def test_fused_parts_of_different_formats_are_held_exactly():
+    a = quant_linear.quantize(torch.randn(16, 64), "q4_1")
+    b = quant_linear.quantize(torch.randn(8, 64), "q8_0")
+    both = quant_linear.concat([a, b])
+    assert both.fmt == "f32" and torch.equal(
+        quant_linear.dequantize(both), torch.cat([quant_linear.dequantize(a), quant_linear.dequantize(b)])
+    )
+    same = quant_linear.concat([a, quant_linear.quantize(torch.randn(32, 64), "q4_1")])
+    assert same.fmt == "q4_1" and same.n == 48
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_layer_runs_prompt_shapes_through_the_fp32_gemm_with_the_same_result(kernels, dtype):
+    w = torch.randn(40, 96)
+    blocks = quant_linear.quantize(w, "q4_1")
+    layer = QuantLinear(blocks, torch.randn(40), kernels)
+    x = torch.randn(3, quant_linear.PROMPT_ROWS + 7, 96).to(dtype)  # batched 3-d input, many rows
+    ref = F.linear(x.float(), quant_linear.dequantize(blocks), layer.bias)
+    out = layer(x)
+    assert out.shape == (3, quant_linear.PROMPT_ROWS + 7, 40) and out.dtype == dtype
+    assert torch.allclose(out.float(), ref, atol=1e-4 if dtype == torch.float32 else 0.1, rtol=1e-2)
+    decode = layer(x[:, :2])  # decode rows: the C kernel
+    assert torch.allclose(decode.float(), ref[:, :2], atol=1e-4 if dtype == torch.float32 else 0.1, rtol=1e-2)
+    strided = layer(x[0, :, :48].float().repeat(1, 2)[:5])  # a row stride that is not the width: copied first
+    assert strided.shape == (5, 40)
+
+
+def test_blocks_of_every_format_are_packed_into_whole_groups():
+    for fmt in FORMATS:
+        b: Blocks = quant_linear.quantize(torch.randn(17, 40), fmt)
+        per = {"f32": 2048, "bf16": 1024, "q8_0": 544, "q4_0": 288, "q4_1": 320}[fmt]
+        assert quant_linear.pack(b).numel() == 2 * 2 * per  # 2 groups of 16 rows x 2 blocks of 32

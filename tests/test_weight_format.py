@@ -1,0 +1,114 @@
+"""`--quantization`: the engine serves a GGUF's own blocks (and q8_0 / q4_0 made at load) and says so in its KV
+layout, so workers that would compute different numbers never pair."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from pdserve.engine import EngineConfig, EngineCore, SamplingParams
+from pdserve.engine.model import load_model
+from pdserve.engine.model_store import gguf_source
+from pdserve.engine.weight_format import gguf_linears
+from pdserve.kernels import quant_linear
+from pdserve.kernels.kv_layout import LayoutMismatch
+from pdserve.kernels.quant_linear import QuantLinear
+
+PROMPTS = [
+    [1, 504, 3458, 282, 4649, 314, 253, 1690, 30],
+    [1, 2683, 2683, 2683, 28, 198, 1399, 281, 3250, 355],
+    list(range(300, 364)),
+    [1, 9690, 198, 2683, 314, 253, 3864, 28, 3600, 30, 1042, 13, 43, 55, 12],
+]
+
+
+def test_gguf_blocks_are_the_checkpoint_transformers_dequantized(model_dir):
+    """Every linear weight read from the GGUF (q/k rows un-permuted, q/k/v and gate/up fused, the tied head from
+    the token embedding) equals, dequantized, the weight transformers converted from the same file."""
+    gguf = gguf_source(model_dir)
+    assert gguf is not None and gguf.suffix == ".gguf"
+    model = load_model(model_dir, torch.float32)
+    blocks = gguf_linears(gguf, model.config)
+    assert len(blocks) == 4 * model.config.num_layers + 1
+    assert blocks["lm_head"].fmt == "q8_0" and blocks["model.layers.0.self_attn.qkv_proj"].fmt == "q4_1"
+    for name, b in blocks.items():
+        assert torch.equal(quant_linear.dequantize(b), model.get_submodule(name).weight), name
+    file_bytes = sum(b.nbytes for b in blocks.values())
+    assert 80e6 < file_bytes < 100e6  # about what the file holds, not the 540 MB of fp32
+
+
+def _generate(cfg: EngineConfig, logprobs: int | None = None) -> tuple[EngineCore, list[list[int]], list]:
+    core = EngineCore(cfg)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    seqs = [core.add_request(p, params) for p in PROMPTS]
+    samples: dict[int, list] = {id(s): [] for s in seqs}
+    while core.has_work:
+        for out in core.step():
+            assert out.error is None
+            samples[id(out.seq)].append(out.sample)
+    return core, [s.output_ids for s in seqs], [samples[id(s)] for s in seqs]
+
+
+def test_served_gguf_tokens_equal_the_fp32_engine_on_the_same_weights(model_dir):
+    """Greedy tokens from the file's own Q4_1/Q8_0 blocks equal those of the fp32 engine over the dequantized
+    weights, except where the fp32 engine's top two logits are within rounding of each other (asserted, not
+    skipped: a real difference fails)."""
+    base = dict(model=str(model_dir), dtype="float32", kv_cache_memory=64 << 20, max_num_seqs=4)
+    core, got, _ = _generate(EngineConfig(**base, quantization="gguf"))
+    assert core.layout.weights == "gguf"
+    layers = [m for m in core.runner.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 121 and {m.fmt for m in layers} == {"q4_1", "q8_0"}
+    _, want, samples = _generate(EngineConfig(**base), logprobs=2)
+    exact = 0
+    for g, w, s in zip(got, want, samples):
+        if g == w:
+            exact += 1
+            continue
+        i = next(i for i, (a, b) in enumerate(zip(g, w)) if a != b)
+        top = s[i].top_logprobs
+        margin = top[0][1] - top[1][1]
+        assert g[i] == top[1][0] and margin < 1e-3, (i, g[i], top)
+    assert exact >= len(PROMPTS) - 1
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantized_at_load_serves_and_names_its_format(tiny_model_dir, fmt):
+    core = EngineCore(
+        EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory=8 << 20, quantization=fmt)
+    )
+    assert {m.fmt for m in core.runner.model.modules() if isinstance(m, QuantLinear)} == {fmt}
+    out = core.generate([[1, 5, 9, 13]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert len(out[0]) == 5
+    fp32 = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory=8 << 20))
+    assert fp32.layout.weights == "none" and core.layout.weights == fmt
+    assert fp32.layout.fingerprint != core.layout.fingerprint
+    with pytest.raises(LayoutMismatch, match="weights"):
+        fp32.layout.check_compatible(core.layout)
+
+
+def test_gguf_needs_a_gguf_model_and_a_cpu(tiny_model_dir):
+    from pdserve.cli.errors import CLIError
+    from pdserve.cli.options import EngineOptions
+    from pdserve.cli.services import engine_config
+
+    with pytest.raises(CLIError, match="needs a model that is a .gguf file"):
+        engine_config(EngineOptions(model=str(tiny_model_dir), quantization="gguf", kv_cache_memory=8 << 20))
+    with pytest.raises(CLIError, match="runs on a CPU only"):
+        engine_config(EngineOptions(model=str(tiny_model_dir), quantization="q8_0", device="cuda"))
+    cfg = engine_config(EngineOptions(model=str(tiny_model_dir), quantization="q8_0", kv_cache_memory=8 << 20))
+    assert cfg.quantization == "q8_0"
+    with pytest.raises(ValueError, match="not one of"):
+        EngineCore(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=8 << 20, quantization="q3_k"))
+
+
+def test_the_flag_reaches_every_command():
+    from pdserve.cli.main import build_parser
+
+    parser = build_parser()
+    for argv in (["up"], ["prefill"], ["decode"], ["generate", "hi", "--local"]):
+        args = parser.parse_args([*argv, "--quantization", "gguf"])
+        assert isinstance(args, argparse.Namespace) and args.quantization == "gguf"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["up", "--quantization", "q2_k"])
