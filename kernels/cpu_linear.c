@@ -27,6 +27,7 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4 };
 #define G 16
 #define KB 32
 #define MT 64
+#define PANEL_ROWS 16 /* from this many rows on, a group is dequantized whole once and tiled over */
 #ifndef PREFETCH
 #define PREFETCH 2048 /* bytes ahead: what keeps enough lines in flight for one core to stream at the memory's pace */
 #endif
@@ -258,24 +259,10 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);                  /* round to nearest even */
 }
 
-/* acc[r] += the block's scaled products (part[r] = sum_k x_k q_k): d part (+ m sum_k x_k for a minimum). */
-static inline void scale_into(int fmt, int rows, v16f d, v16f m, const v16f *part, const float *xs, int64_t nb,
-                              v16f *acc) {
-    if (fmt == F32 || fmt == BF16)
-        for (int r = 0; r < rows; r++) acc[r] += part[r];
-    else if (fmt == Q8_0)
-        for (int r = 0; r < rows; r++) acc[r] += d * part[r];
-    else
-        for (int r = 0; r < rows; r++) acc[r] += d * part[r] + m * xs[r * nb];
-}
-
-/* One group of 16 output columns for `rows` rows of x (xs: their block sums, row stride nb). */
-static void one_group(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const float *x, int64_t ldx, int rows,
-                      int64_t K, const float *xs, v16f *acc) {
-    if (rows < 4) {
-        for (int r = 0; r < rows; r++) acc[r] = row_one(fmt, blk, bb, nb, x + r * ldx, K, xs ? xs + r * nb : NULL);
-        return;
-    }
+/* One group for a few rows (4 to PANEL_ROWS): each block decoded into registers' worth of L1 and used by every
+ * row at once, with the block's scales applied to the rows' partial sums. */
+static void blockwise_group(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const float *x, int64_t ldx,
+                            int rows, int64_t K, const float *xs, v16f *acc) {
     v16f wv[KB], part[MT], d = {0}, m = {0};
     for (int r = 0; r < rows; r++) acc[r] = (v16f){0};
     for (int64_t b = 0; b < nb; b++, blk += bb) {
@@ -283,46 +270,52 @@ static void one_group(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const
         for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
         decode(fmt, blk, wv, &d, &m);
         dot_rows(x + b * KB, ldx, rows, kn, wv, part);
-        scale_into(fmt, rows, d, m, part, xs ? xs + b : NULL, nb, acc);
+        if (fmt == F32 || fmt == BF16)
+            for (int r = 0; r < rows; r++) acc[r] += part[r];
+        else if (fmt == Q8_0)
+            for (int r = 0; r < rows; r++) acc[r] += d * part[r];
+        else
+            for (int r = 0; r < rows; r++) acc[r] += d * part[r] + m * xs[r * nb + b];
+    }
+}
+
+/* A group's whole weight as an fp32 panel [K][16], dequantized (d q + m): what the multi-row tiles read, decoded
+ * once per call however many rows there are, so their accumulators stay in registers over the whole of K. */
+static void decode_panel(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, v16f *panel) {
+    v16f d = {0}, m = {0};
+    for (int64_t b = 0; b < nb; b++, blk += bb) {
+        v16f *p = panel + b * KB;
+        for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
+        decode(fmt, blk, p, &d, &m);
+        if (fmt == Q8_0)
+            for (int k = 0; k < KB; k++) p[k] *= d;
+        else if (fmt == Q4_0 || fmt == Q4_1)
+            for (int k = 0; k < KB; k++) p[k] = d * p[k] + m;
     }
 }
 
 #if defined(__AVX512F__) && !defined(NO_PAIR)
-/* Two groups at once for 8 rows at a time: 16 accumulators, and each broadcast of x feeds two FMAs, so the loads
+/* Two panels at once for 8 rows at a time: 16 accumulators, and each broadcast of x feeds two FMAs, so the loads
  * no longer outnumber the FMAs (AVX-512 has the 32 registers this needs). */
-static void two_groups(int fmt, const uint8_t *blk0, const uint8_t *blk1, int64_t bb, int64_t nb, const float *x,
-                       int64_t ldx, int rows, int64_t K, const float *xs, v16f *acc0, v16f *acc1) {
-    v16f w0[KB], w1[KB], p0[MT], p1[MT], d0 = {0}, m0 = {0}, d1 = {0}, m1 = {0};
-    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = (v16f){0};
-    for (int64_t b = 0; b < nb; b++, blk0 += bb, blk1 += bb) {
-        int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
-        for (int64_t off = 0; off < bb; off += 64) {
-            __builtin_prefetch(blk0 + PREFETCH + off);
-            __builtin_prefetch(blk1 + PREFETCH + off);
-        }
-        decode(fmt, blk0, w0, &d0, &m0);
-        decode(fmt, blk1, w1, &d1, &m1);
-        const float *xb = x + b * KB;
-        int r = 0;
-        for (; r + 8 <= rows; r += 8) {
-            v16f a[8], c[8];
-            for (int i = 0; i < 8; i++) a[i] = c[i] = (v16f){0};
-            for (int k = 0; k < kn; k++) {
-                v16f u = w0[k], v = w1[k];
-                for (int i = 0; i < 8; i++) {
-                    float xv = xb[(r + i) * ldx + k];
-                    a[i] += xv * u;
-                    c[i] += xv * v;
-                }
+static void two_panels(const v16f *p0, const v16f *p1, int64_t K, const float *x, int64_t ldx, int rows, v16f *acc0,
+                       v16f *acc1) {
+    int r = 0;
+    for (; r + 8 <= rows; r += 8) {
+        v16f a[8], c[8];
+        for (int i = 0; i < 8; i++) a[i] = c[i] = (v16f){0};
+        for (int64_t k = 0; k < K; k++) {
+            v16f u = p0[k], v = p1[k];
+            for (int i = 0; i < 8; i++) {
+                float xv = x[(r + i) * ldx + k];
+                a[i] += xv * u;
+                c[i] += xv * v;
             }
-            for (int i = 0; i < 8; i++) p0[r + i] = a[i], p1[r + i] = c[i];
         }
-        if (r < rows) {
-            dot_rows(xb + r * ldx, ldx, rows - r, kn, w0, p0 + r);
-            dot_rows(xb + r * ldx, ldx, rows - r, kn, w1, p1 + r);
-        }
-        scale_into(fmt, rows, d0, m0, p0, xs ? xs + b : NULL, nb, acc0);
-        scale_into(fmt, rows, d1, m1, p1, xs ? xs + b : NULL, nb, acc1);
+        for (int i = 0; i < 8; i++) acc0[r + i] = a[i], acc1[r + i] = c[i];
+    }
+    if (r < rows) {
+        dot_rows(x + r * ldx, ldx, rows - r, (int)K, p0, acc0 + r);
+        dot_rows(x + r * ldx, ldx, rows - r, (int)K, p1, acc1 + r);
     }
 }
 #define PAIR 2
@@ -370,30 +363,49 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
         block_sums(x, ldx, M, K, xs, nthreads);
     }
     int64_t tasks = (groups + PAIR - 1) / PAIR;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < tasks; t++) {
-        v16f acc0[MT], acc1[MT];
-        int64_t g0 = t * PAIR, g1 = g0 + 1;
-        for (int64_t r0 = 0; r0 < M; r0 += MT) {
-            int rows = M - r0 < MT ? (int)(M - r0) : MT;
-            const float *xr = x + r0 * ldx, *xsr = xs ? xs + r0 * nb : NULL;
-            int cols0 = N - g0 * G < G ? (int)(N - g0 * G) : G;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        int use_panels = M >= PANEL_ROWS;
+        v16f *panels = use_panels ? aligned_alloc(64, sizeof(v16f) * PAIR * nb * KB) : NULL;
+        failed |= use_panels && !panels;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (use_panels && !panels) continue;
+            v16f acc0[MT], acc1[MT];
+            int64_t g0 = t * PAIR, n_g = groups - g0 < PAIR ? groups - g0 : PAIR;
+            if (use_panels)
+                for (int64_t i = 0; i < n_g; i++) decode_panel(fmt, w + (g0 + i) * nb * bb, bb, nb, panels + i * nb * KB);
+            for (int64_t r0 = 0; r0 < M; r0 += MT) {
+                int rows = M - r0 < MT ? (int)(M - r0) : MT;
+                const float *xr = x + r0 * ldx, *xsr = xs ? xs + r0 * nb : NULL;
 #if PAIR == 2
-            if (g1 < groups && rows >= 8) {
-                two_groups(fmt, w + g0 * nb * bb, w + g1 * nb * bb, bb, nb, xr, ldx, rows, K, xsr, acc0, acc1);
-                store_rows(acc0, rows, cols0, bias, yout, ldy, y_bf16, r0, g0 * G);
-                store_rows(acc1, rows, N - g1 * G < G ? (int)(N - g1 * G) : G, bias, yout, ldy, y_bf16, r0,
-                           g1 * G);
-                continue;
-            }
+                if (use_panels && n_g == 2 && rows >= 8) {
+                    two_panels(panels, panels + nb * KB, K, xr, ldx, rows, acc0, acc1);
+                    store_rows(acc0, rows, G, bias, yout, ldy, y_bf16, r0, g0 * G);
+                    store_rows(acc1, rows, N - (g0 + 1) * G < G ? (int)(N - (g0 + 1) * G) : G, bias, yout, ldy,
+                               y_bf16, r0, (g0 + 1) * G);
+                    continue;
+                }
 #endif
-            for (int64_t g = g0; g < g0 + PAIR && g < groups; g++) {
-                one_group(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, xsr, acc0);
-                store_rows(acc0, rows, N - g * G < G ? (int)(N - g * G) : G, bias, yout, ldy, y_bf16, r0, g * G);
+                for (int64_t i = 0; i < n_g; i++) {
+                    int64_t g = g0 + i;
+                    if (rows < 4)
+                        for (int r = 0; r < rows; r++)
+                            acc0[r] = row_one(fmt, w + g * nb * bb, bb, nb, xr + r * ldx, K, xsr ? xsr + r * nb : NULL);
+                    else if (use_panels)
+                        dot_rows(xr, ldx, rows, (int)K, panels + i * nb * KB, acc0);
+                    else
+                        blockwise_group(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, xsr, acc0);
+                    store_rows(acc0, rows, N - g * G < G ? (int)(N - g * G) : G, bias, yout, ldy, y_bf16, r0, g * G);
+                }
             }
-            (void)cols0;
-            (void)acc1;
         }
+        free(panels);
+    }
+    if (failed) {
+        free(scratch);
+        return -2;
     }
     free(scratch);
     return 0;
