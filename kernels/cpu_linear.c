@@ -27,9 +27,12 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4 };
 #define G 16
 #define KB 32
 #define MT 64
-#define PANEL_ROWS 16 /* from this many rows on, a group is dequantized whole once and tiled over */
+#ifndef PANEL_ROWS
+#define PANEL_ROWS 16
+#endif
+///* from this many rows on, a group is dequantized whole once and tiled over */
 #ifndef PREFETCH
-#define PREFETCH 2048 /* bytes ahead: what keeps enough lines in flight for one core to stream at the memory's pace */
+#define PREFETCH 4096 /* bytes ahead: what keeps enough lines in flight for one core to stream at the memory's pace */
 #endif
 
 int64_t block_nbytes(int fmt) {
