@@ -169,8 +169,7 @@ def apply(
         formats[b.fmt] += 1
     what = ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items()))
     return (
-        f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}) up to {quant_linear.PROMPT_ROWS} rows, "
-        f"{prompt_gemm} above"
+        f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}) up to {kernels.prompt_rows} rows, {prompt_gemm} above"
     )
 
 

@@ -1,4 +1,4 @@
-/* Weight-only linear layers for the decode shapes: y[M,N] = x[M,K] . W[N,K]^T (+ bias), x and y fp32, W packed
+/* Weight-only linear layers: y[M,N] = x[M,K] . W[N,K]^T (+ bias), x and y fp32 or bf16, W packed
  * (kernels/quant_linear.py writes the packing) as fp32, bf16, Q8_0, Q4_0 or Q4_1 blocks.
  *
  * Packing: output columns in groups of 16, the reduction dimension in blocks of 32; each (group, block) is one
@@ -7,10 +7,17 @@
  *   q8_0: fp16 d[16], int8 q[32][16]               (w = d q)
  *   q4_0: fp16 d[16], uint8 q[16][16]              (w = d (q - 8); byte p,c holds k=2p low, k=2p+1 high)
  *   q4_1: fp16 d[16], fp16 m[16], uint8 q[16][16]  (w = d q + m)
- * A block's quants are turned into 16-lane fp32 vectors once and used by every row of x; scales are applied once
- * per block (sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k), so a quantized product is the fp32 product
- * of the dequantized weights up to the order of fp32 summation. Written with GCC vector types so one source
- * compiles to SSE2, AVX2 or AVX-512 as -march says (kernels/cpu_isa.py). Returns 0, -1 on bad arguments, -2 out of memory.
+ *
+ * By rows of x: up to 3 rows stream each block straight into the products, scales applied once per block
+ * (sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k); 4 to 15 rows decode each block once for all of them;
+ * from 16 rows on a group is dequantized whole into a panel and tiled over with accumulators kept in registers
+ * across K (two groups per tile on AVX-512). Every path is the fp32 product of the dequantized weights up to the
+ * order of fp32 summation.
+ *
+ * Vectors are as wide as the -march the library is built for (kernels/cpu_isa.py): 16 lanes on AVX-512, 8 on
+ * AVX2, 4 on SSE2, so every level keeps its accumulators in registers; the widening of packed values has its
+ * own intrinsics per level, since compilers do not vectorise those conversions from generic code. Returns 0, -1
+ * on bad arguments, -2 out of memory.
  */
 #include <omp.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -20,17 +27,26 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16f __attribute__((vector_size(64)));
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
 typedef _Float16 v16h __attribute__((vector_size(32)));
+typedef float v16f __attribute__((vector_size(64)));
 
 enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4 };
 #define G 16
+#define NV (G / VL) /* vectors per group row */
+#define RT (8 / NV) /* rows per register tile: 8 accumulators cover the FMA latency */
 #define KB 32
 #define MT 64
 #ifndef PANEL_ROWS
-#define PANEL_ROWS 16
+#define PANEL_ROWS 16 /* from this many rows on, a group is dequantized whole once and tiled over */
 #endif
-///* from this many rows on, a group is dequantized whole once and tiled over */
 #ifndef PREFETCH
 #define PREFETCH 4096 /* bytes ahead: what keeps enough lines in flight for one core to stream at the memory's pace */
 #endif
@@ -46,31 +62,30 @@ int64_t block_nbytes(int fmt) {
     return -1;
 }
 
-static inline v16f load_f(const void *p) {
-    v16f v;
+static inline vf ldv(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
+static inline void stv(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
 /* 16 fp16 scales as fp32. */
-static inline v16f load_h(const void *p) {
-    v16f v;
+static inline void load_h(const void *p, float *out) {
 #if defined(__AVX512F__)
-    _mm512_storeu_ps((float *)&v, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)));
+    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)));
 #elif defined(__F16C__)
-    _mm256_storeu_ps((float *)&v, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)));
-    _mm256_storeu_ps((float *)&v + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p + 1)));
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)));
+    _mm256_storeu_ps(out + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p + 1)));
 #else
     v16h h;
     memcpy(&h, p, sizeof h);
-    v = __builtin_convertvector(h, v16f);
+    v16f f = __builtin_convertvector(h, v16f);
+    memcpy(out, &f, sizeof f);
 #endif
-    return v;
 }
 
-/* Sixteen integers (int8, or uint8 after the nibble split) widened to fp32 into `out`: the compilers do not
- * vectorise these conversions from generic vector code, so each level has its own. */
-static inline void widen_s8(__attribute__((unused)) const uint8_t *p, float *out) {
+static inline void widen_s8(const uint8_t *p, float *out) {
 #if defined(__AVX512F__)
     _mm512_storeu_ps(out, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))));
 #elif defined(__AVX2__)
@@ -116,125 +131,183 @@ static inline void widen_bf16(const uint8_t *p, float *out) {
 #endif
 }
 
-/* One block's 32 rows of 16 columns as fp32 (unscaled quants for the quantized formats); d and m its scales. */
-static inline void decode(int fmt, const uint8_t *b, v16f *w, v16f *d, v16f *m) {
+/* Row k (0..31) of a block as 16 fp32 values: unscaled quants for the quantized formats. */
+static inline void widen_row(int fmt, const uint8_t *b, int k, float *out) {
     switch (fmt) {
-    case F32:
-        for (int k = 0; k < KB; k++) w[k] = load_f(b + k * 64);
-        return;
-    case BF16:
-        for (int k = 0; k < KB; k++) widen_bf16(b + k * 32, (float *)&w[k]);
-        return;
-    case Q8_0:
-        *d = load_h(b);
-        for (int k = 0; k < KB; k++) widen_s8(b + 32 + k * 16, (float *)&w[k]);
-        return;
-    default: {
-        const uint8_t *qs = b + (fmt == Q4_1 ? 64 : 32);
-        *d = load_h(b);
-        *m = fmt == Q4_1 ? load_h(b + 32) : *d * -8.0f;
-        for (int p = 0; p < KB / 2; p++) widen_nibbles(qs + p * 16, (float *)&w[2 * p], (float *)&w[2 * p + 1]);
-    }
+    case F32: memcpy(out, b + k * 64, 64); return;
+    case BF16: widen_bf16(b + k * 32, out); return;
+    case Q8_0: widen_s8(b + 32 + k * 16, out); return;
     }
 }
 
-#if defined(__AVX512F__)
-#define RT 8 /* rows per register tile: 8 (or 4 x 2 halves on AVX2) independent accumulators cover the FMA latency */
-#else
-#define RT 4
-#endif
+/* A block's scales: d, and m (q4_0: -8 d); f32/bf16 have none. */
+static inline void scales(int fmt, const uint8_t *b, float *d, float *m) {
+    if (fmt == F32 || fmt == BF16) return;
+    load_h(b, d);
+    if (fmt == Q4_1)
+        load_h(b + 32, m);
+    else if (fmt == Q4_0)
+        for (int c = 0; c < G; c++) m[c] = -8.0f * d[c];
+}
 
-/* acc[r] = sum_{k < kn} x[r][k] w[k] for `rows` rows, RT at a time (each weight vector loaded once per RT). */
-static inline void dot_rows(const float *x, int64_t ldx, int rows, int kn, const v16f *w, v16f *acc) {
+/* One block's 32 rows of 16 columns as fp32 w[32][16] (unscaled quants for the quantized formats). */
+static inline void decode(int fmt, const uint8_t *b, float *w) {
+    if (fmt == Q4_0 || fmt == Q4_1) {
+        const uint8_t *qs = b + (fmt == Q4_1 ? 64 : 32);
+        for (int p = 0; p < KB / 2; p++) widen_nibbles(qs + p * 16, w + 2 * p * G, w + (2 * p + 1) * G);
+    } else {
+        for (int k = 0; k < KB; k++) widen_row(fmt, b, k, w + k * G);
+    }
+}
+
+/* acc[r][:] = sum_{k < kn} x[r][k] w[k][:] for `rows` rows, RT at a time (each weight vector loaded once per RT). */
+static inline void dot_rows(const float *x, int64_t ldx, int rows, int64_t kn, const float *w, float *acc) {
     int r = 0;
     for (; r + RT <= rows; r += RT) {
-        v16f a[RT];
-        for (int i = 0; i < RT; i++) a[i] = (v16f){0};
-        for (int k = 0; k < kn; k++) {
-            v16f wk = w[k];
-            for (int i = 0; i < RT; i++) a[i] += x[(r + i) * ldx + k] * wk;
-        }
-        for (int i = 0; i < RT; i++) acc[r + i] = a[i];
-    }
-    for (; RT > 4 && r + 4 <= rows; r += 4) {
-        v16f a[4] = {{0}, {0}, {0}, {0}};
-        for (int k = 0; k < kn; k++)
-            for (int i = 0; i < 4; i++) a[i] += x[(r + i) * ldx + k] * w[k];
-        for (int i = 0; i < 4; i++) acc[r + i] = a[i];
+        vf a[RT][NV];
+        for (int i = 0; i < RT; i++)
+            for (int j = 0; j < NV; j++) a[i][j] = (vf){0};
+        for (int64_t k = 0; k < kn; k++)
+            for (int j = 0; j < NV; j++) {
+                vf wk = ldv(w + k * G + j * VL);
+                for (int i = 0; i < RT; i++) a[i][j] += x[(r + i) * ldx + k] * wk;
+            }
+        for (int i = 0; i < RT; i++)
+            for (int j = 0; j < NV; j++) stv(acc + (r + i) * G + j * VL, a[i][j]);
     }
     for (; r < rows; r++) {
         const float *x0 = x + r * ldx;
-        v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        vf a0[NV], a1[NV];
+        for (int j = 0; j < NV; j++) a0[j] = a1[j] = (vf){0};
+        int64_t k = 0;
+        for (; k + 2 <= kn; k += 2)
+            for (int j = 0; j < NV; j++) {
+                a0[j] += x0[k] * ldv(w + k * G + j * VL);
+                a1[j] += x0[k + 1] * ldv(w + (k + 1) * G + j * VL);
+            }
+        for (; k < kn; k++)
+            for (int j = 0; j < NV; j++) a0[j] += x0[k] * ldv(w + k * G + j * VL);
+        for (int j = 0; j < NV; j++) stv(acc + r * G + j * VL, a0[j] + a1[j]);
+    }
+}
+
+/* One row against a whole group, each block widened straight into the products (a decode step of a few sequences
+ * reads each weight once and is bound by how fast it is widened); out[16]. */
+static inline void row_one(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const float *x, int64_t K,
+                           const float *xs, float *out) {
+    vf acc[NV];
+    for (int j = 0; j < NV; j++) acc[j] = (vf){0};
+    float w0[G] __attribute__((aligned(64))) = {0}, w1[G] __attribute__((aligned(64))) = {0};
+    float d[G] __attribute__((aligned(64))), m[G] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < nb; b++, blk += bb) {
+        int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
+        const float *xb = x + b * KB;
+        for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
+        vf a0[NV], a1[NV];
+        for (int j = 0; j < NV; j++) a0[j] = a1[j] = (vf){0};
+        const uint8_t *qs = blk + (fmt == Q4_1 ? 64 : 32);
         int k = 0;
-        for (; k + 4 <= kn; k += 4) {
-            a0 += x0[k] * w[k];
-            a1 += x0[k + 1] * w[k + 1];
-            a2 += x0[k + 2] * w[k + 2];
-            a3 += x0[k + 3] * w[k + 3];
+        for (; k + 2 <= kn; k += 2) {
+            if (fmt == Q4_0 || fmt == Q4_1)
+                widen_nibbles(qs + k * 8, w0, w1);
+            else
+                widen_row(fmt, blk, k, w0), widen_row(fmt, blk, k + 1, w1);
+            for (int j = 0; j < NV; j++) a0[j] += xb[k] * ldv(w0 + j * VL), a1[j] += xb[k + 1] * ldv(w1 + j * VL);
         }
-        for (; k < kn; k++) a0 += x0[k] * w[k];
-        acc[r] = (a0 + a1) + (a2 + a3);
+        if (k < kn) {
+            if (fmt == Q4_0 || fmt == Q4_1)
+                widen_nibbles(qs + k * 8, w0, w1);
+            else
+                widen_row(fmt, blk, k, w0);
+            for (int j = 0; j < NV; j++) a0[j] += xb[k] * ldv(w0 + j * VL);
+        }
+        scales(fmt, blk, d, m);
+        for (int j = 0; j < NV; j++) {
+            vf part = a0[j] + a1[j];
+            if (fmt == F32 || fmt == BF16)
+                acc[j] += part;
+            else if (fmt == Q8_0)
+                acc[j] += ldv(d + j * VL) * part;
+            else
+                acc[j] += ldv(d + j * VL) * part + ldv(m + j * VL) * xs[b];
+        }
     }
+    for (int j = 0; j < NV; j++) stv(out + j * VL, acc[j]);
 }
 
-/* One row against one block, the block decoded straight into the products (no trip through memory): a decode
- * step of one sequence reads each weight once and is bound by how fast it can be widened. */
-static inline v16f dot_one(int fmt, const uint8_t *b, const float *x, int kn) {
-    v16f a0 = {0}, a1 = {0}, w0, w1;
-    int k = 0;
-    switch (fmt) {
-    case F32:
-        for (; k + 2 <= kn; k += 2) a0 += x[k] * load_f(b + k * 64), a1 += x[k + 1] * load_f(b + k * 64 + 64);
-        if (k < kn) a0 += x[k] * load_f(b + k * 64);
-        break;
-    case BF16:
-        for (; k + 2 <= kn; k += 2) {
-            widen_bf16(b + k * 32, (float *)&w0);
-            widen_bf16(b + k * 32 + 32, (float *)&w1);
-            a0 += x[k] * w0, a1 += x[k + 1] * w1;
-        }
-        if (k < kn) widen_bf16(b + k * 32, (float *)&w0), a0 += x[k] * w0;
-        break;
-    case Q8_0:
-        for (; k + 2 <= kn; k += 2) {
-            widen_s8(b + 32 + k * 16, (float *)&w0);
-            widen_s8(b + 48 + k * 16, (float *)&w1);
-            a0 += x[k] * w0, a1 += x[k + 1] * w1;
-        }
-        if (k < kn) widen_s8(b + 32 + k * 16, (float *)&w0), a0 += x[k] * w0;
-        break;
-    default: {
-        const uint8_t *qs = b + (fmt == Q4_1 ? 64 : 32);
-        for (; k + 2 <= kn; k += 2) {
-            widen_nibbles(qs + k * 8, (float *)&w0, (float *)&w1);
-            a0 += x[k] * w0, a1 += x[k + 1] * w1;
-        }
-        if (k < kn) widen_nibbles(qs + k * 8, (float *)&w0, (float *)&w1), a0 += x[k] * w0;
-    }
-    }
-    return a0 + a1;
-}
-
-/* One row against a whole group: blocks decoded straight into the products, the sum kept in registers. A decode
- * step of a few sequences reads each weight once and is bound by how fast it is widened. */
-static inline v16f row_one(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const float *x, int64_t K,
-                           const float *xs) {
-    v16f acc = {0};
+/* One group for 4 to PANEL_ROWS rows: each block decoded once into L1 and used by every row, the block's scales
+ * applied to the rows' partial sums; acc[rows][16]. */
+static void blockwise_group(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const float *x, int64_t ldx,
+                            int rows, int64_t K, const float *xs, float *acc) {
+    float w[KB * G] __attribute__((aligned(64))), part[MT * G] __attribute__((aligned(64)));
+    float d[G] __attribute__((aligned(64))), m[G] __attribute__((aligned(64)));
+    memset(acc, 0, sizeof(float) * rows * G);
     for (int64_t b = 0; b < nb; b++, blk += bb) {
         int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
         for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
-        v16f part = dot_one(fmt, blk, x + b * KB, kn);
-        if (fmt == F32 || fmt == BF16)
-            acc += part;
-        else if (fmt == Q8_0)
-            acc += load_h(blk) * part;
-        else {
-            v16f d = load_h(blk);
-            acc += d * part + (fmt == Q4_1 ? load_h(blk + 32) : d * -8.0f) * xs[b];
-        }
+        decode(fmt, blk, w);
+        scales(fmt, blk, d, m);
+        dot_rows(x + b * KB, ldx, rows, kn, w, part);
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < NV; j++) {
+                vf p = ldv(part + r * G + j * VL), a = ldv(acc + r * G + j * VL);
+                if (fmt == F32 || fmt == BF16)
+                    a += p;
+                else if (fmt == Q8_0)
+                    a += ldv(d + j * VL) * p;
+                else
+                    a += ldv(d + j * VL) * p + ldv(m + j * VL) * xs[r * nb + b];
+                stv(acc + r * G + j * VL, a);
+            }
     }
-    return acc;
 }
+
+/* A group's whole weight as an fp32 panel [K][16], dequantized (d q + m): what the tiles of many rows read,
+ * decoded once per call however many rows there are. */
+static void decode_panel(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, float *panel) {
+    float d[G] __attribute__((aligned(64))), m[G] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < nb; b++, blk += bb) {
+        float *p = panel + b * KB * G;
+        for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
+        decode(fmt, blk, p);
+        scales(fmt, blk, d, m);
+        if (fmt == F32 || fmt == BF16) continue;
+        for (int k = 0; k < KB; k++)
+            for (int j = 0; j < NV; j++) {
+                vf v = ldv(d + j * VL) * ldv(p + k * G + j * VL);
+                stv(p + k * G + j * VL, fmt == Q8_0 ? v : v + ldv(m + j * VL));
+            }
+    }
+}
+
+#if VL == 16 && !defined(NO_PAIR)
+/* Two panels at once for 8 rows at a time: 16 accumulators, and each broadcast of x feeds two FMAs, so the loads
+ * no longer outnumber the FMAs (AVX-512 has the 32 registers this needs). */
+static void two_panels(const float *p0, const float *p1, int64_t K, const float *x, int64_t ldx, int rows,
+                       float *acc0, float *acc1) {
+    int r = 0;
+    for (; r + 8 <= rows; r += 8) {
+        vf a[8], c[8];
+        for (int i = 0; i < 8; i++) a[i] = c[i] = (vf){0};
+        for (int64_t k = 0; k < K; k++) {
+            vf u = ldv(p0 + k * G), v = ldv(p1 + k * G);
+            for (int i = 0; i < 8; i++) {
+                float xv = x[(r + i) * ldx + k];
+                a[i] += xv * u;
+                c[i] += xv * v;
+            }
+        }
+        for (int i = 0; i < 8; i++) stv(acc0 + (r + i) * G, a[i]), stv(acc1 + (r + i) * G, c[i]);
+    }
+    if (r < rows) {
+        dot_rows(x + r * ldx, ldx, rows - r, K, p0, acc0 + r * G);
+        dot_rows(x + r * ldx, ldx, rows - r, K, p1, acc1 + r * G);
+    }
+}
+#define PAIR 2
+#else
+#define PAIR 1
+#endif
 
 /* xs[r * nb + b]: the sum of row r's x over block b (the term a block's minimum multiplies). */
 static void block_sums(const float *x, int64_t ldx, int64_t M, int64_t K, float *xs, int nthreads) {
@@ -262,80 +335,18 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);                  /* round to nearest even */
 }
 
-/* One group for a few rows (4 to PANEL_ROWS): each block decoded into registers' worth of L1 and used by every
- * row at once, with the block's scales applied to the rows' partial sums. */
-static void blockwise_group(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const float *x, int64_t ldx,
-                            int rows, int64_t K, const float *xs, v16f *acc) {
-    v16f wv[KB], part[MT], d = {0}, m = {0};
-    for (int r = 0; r < rows; r++) acc[r] = (v16f){0};
-    for (int64_t b = 0; b < nb; b++, blk += bb) {
-        int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
-        for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
-        decode(fmt, blk, wv, &d, &m);
-        dot_rows(x + b * KB, ldx, rows, kn, wv, part);
-        if (fmt == F32 || fmt == BF16)
-            for (int r = 0; r < rows; r++) acc[r] += part[r];
-        else if (fmt == Q8_0)
-            for (int r = 0; r < rows; r++) acc[r] += d * part[r];
-        else
-            for (int r = 0; r < rows; r++) acc[r] += d * part[r] + m * xs[r * nb + b];
-    }
-}
-
-/* A group's whole weight as an fp32 panel [K][16], dequantized (d q + m): what the multi-row tiles read, decoded
- * once per call however many rows there are, so their accumulators stay in registers over the whole of K. */
-static void decode_panel(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, v16f *panel) {
-    v16f d = {0}, m = {0};
-    for (int64_t b = 0; b < nb; b++, blk += bb) {
-        v16f *p = panel + b * KB;
-        for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
-        decode(fmt, blk, p, &d, &m);
-        if (fmt == Q8_0)
-            for (int k = 0; k < KB; k++) p[k] *= d;
-        else if (fmt == Q4_0 || fmt == Q4_1)
-            for (int k = 0; k < KB; k++) p[k] = d * p[k] + m;
-    }
-}
-
-#if defined(__AVX512F__) && !defined(NO_PAIR)
-/* Two panels at once for 8 rows at a time: 16 accumulators, and each broadcast of x feeds two FMAs, so the loads
- * no longer outnumber the FMAs (AVX-512 has the 32 registers this needs). */
-static void two_panels(const v16f *p0, const v16f *p1, int64_t K, const float *x, int64_t ldx, int rows, v16f *acc0,
-                       v16f *acc1) {
-    int r = 0;
-    for (; r + 8 <= rows; r += 8) {
-        v16f a[8], c[8];
-        for (int i = 0; i < 8; i++) a[i] = c[i] = (v16f){0};
-        for (int64_t k = 0; k < K; k++) {
-            v16f u = p0[k], v = p1[k];
-            for (int i = 0; i < 8; i++) {
-                float xv = x[(r + i) * ldx + k];
-                a[i] += xv * u;
-                c[i] += xv * v;
-            }
-        }
-        for (int i = 0; i < 8; i++) acc0[r + i] = a[i], acc1[r + i] = c[i];
-    }
-    if (r < rows) {
-        dot_rows(x + r * ldx, ldx, rows - r, (int)K, p0, acc0 + r);
-        dot_rows(x + r * ldx, ldx, rows - r, (int)K, p1, acc1 + r);
-    }
-}
-#define PAIR 2
-#else
-#define PAIR 1
-#endif
-
-static void store_rows(const v16f *acc, int rows, int cols, const float *bias, void *yout, int64_t ldy, int y_bf16,
+static void store_rows(const float *acc, int rows, int cols, const float *bias, void *yout, int64_t ldy, int y_bf16,
                        int64_t row0, int64_t col0) {
     for (int r = 0; r < rows; r++) {
         float lane[G];
-        memcpy(lane, &acc[r], sizeof lane);
+        memcpy(lane, acc + r * G, sizeof lane);
         if (bias)
             for (int c = 0; c < cols; c++) lane[c] += bias[col0 + c];
         int64_t at = (row0 + r) * ldy + col0;
         if (y_bf16)
             for (int c = 0; c < cols; c++) ((uint16_t *)yout)[at + c] = f32_to_bf16(lane[c]);
+        else if (cols == G)
+            memcpy((float *)yout + at, lane, sizeof lane);
         else
             memcpy((float *)yout + at, lane, sizeof(float) * cols);
     }
@@ -366,25 +377,26 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
         block_sums(x, ldx, M, K, xs, nthreads);
     }
     int64_t tasks = (groups + PAIR - 1) / PAIR;
-    int failed = 0;
+    int use_panels = M >= PANEL_ROWS, failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        int use_panels = M >= PANEL_ROWS;
-        v16f *panels = use_panels ? aligned_alloc(64, sizeof(v16f) * PAIR * nb * KB) : NULL;
-        failed |= use_panels && !panels;
+        float *panels = use_panels ? aligned_alloc(64, sizeof(float) * PAIR * nb * KB * G) : NULL;
+        float *acc0 = aligned_alloc(64, sizeof(float) * 2 * MT * G);
+        __attribute__((unused)) float *acc1 = acc0 ? acc0 + MT * G : NULL;
+        failed |= (use_panels && !panels) || !acc0;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
-            if (use_panels && !panels) continue;
-            v16f acc0[MT], acc1[MT];
+            if ((use_panels && !panels) || !acc0) continue;
             int64_t g0 = t * PAIR, n_g = groups - g0 < PAIR ? groups - g0 : PAIR;
             if (use_panels)
-                for (int64_t i = 0; i < n_g; i++) decode_panel(fmt, w + (g0 + i) * nb * bb, bb, nb, panels + i * nb * KB);
+                for (int64_t i = 0; i < n_g; i++)
+                    decode_panel(fmt, w + (g0 + i) * nb * bb, bb, nb, panels + i * nb * KB * G);
             for (int64_t r0 = 0; r0 < M; r0 += MT) {
                 int rows = M - r0 < MT ? (int)(M - r0) : MT;
                 const float *xr = x + r0 * ldx, *xsr = xs ? xs + r0 * nb : NULL;
 #if PAIR == 2
                 if (use_panels && n_g == 2 && rows >= 8) {
-                    two_panels(panels, panels + nb * KB, K, xr, ldx, rows, acc0, acc1);
+                    two_panels(panels, panels + nb * KB * G, K, xr, ldx, rows, acc0, acc1);
                     store_rows(acc0, rows, G, bias, yout, ldy, y_bf16, r0, g0 * G);
                     store_rows(acc1, rows, N - (g0 + 1) * G < G ? (int)(N - (g0 + 1) * G) : G, bias, yout, ldy,
                                y_bf16, r0, (g0 + 1) * G);
@@ -395,9 +407,10 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
                     int64_t g = g0 + i;
                     if (rows < 4)
                         for (int r = 0; r < rows; r++)
-                            acc0[r] = row_one(fmt, w + g * nb * bb, bb, nb, xr + r * ldx, K, xsr ? xsr + r * nb : NULL);
+                            row_one(fmt, w + g * nb * bb, bb, nb, xr + r * ldx, K, xsr ? xsr + r * nb : NULL,
+                                    acc0 + r * G);
                     else if (use_panels)
-                        dot_rows(xr, ldx, rows, (int)K, panels + i * nb * KB, acc0);
+                        dot_rows(xr, ldx, rows, K, panels + i * nb * KB * G, acc0);
                     else
                         blockwise_group(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, xsr, acc0);
                     store_rows(acc0, rows, N - g * G < G ? (int)(N - g * G) : G, bias, yout, ldy, y_bf16, r0, g * G);
@@ -405,35 +418,43 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
             }
         }
         free(panels);
-    }
-    if (failed) {
-        free(scratch);
-        return -2;
+        free(acc0);
     }
     free(scratch);
-    return 0;
+    return failed ? -2 : 0;
 }
 
-/* The whole weight as fp32, transposed: out [K, N] row-major, so each block row is one vector store (prompt
- * shapes run torch's fp32 GEMM over it). */
+/* The whole weight as fp32, transposed: out [K, N] row-major, so each block row is a run of vector stores
+ * (prompt shapes run torch's fp32 GEMM over it). */
 int dequantize(const uint8_t *w, int fmt, int64_t N, int64_t K, float *out, int nthreads) {
     int64_t bb = block_nbytes(fmt);
     if (bb < 0 || K <= 0 || N <= 0) return -1;
     int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        v16f wv[KB], d = {0}, m = {0};
+        float wv[KB * G] __attribute__((aligned(64))), d[G] __attribute__((aligned(64)));
+        float m[G] __attribute__((aligned(64)));
         int cols = N - g * G < G ? (int)(N - g * G) : G;
         for (int64_t b = 0; b < nb; b++) {
-            decode(fmt, w + (g * nb + b) * bb, wv, &d, &m);
+            const uint8_t *blk = w + (g * nb + b) * bb;
+            decode(fmt, blk, wv);
+            scales(fmt, blk, d, m);
             int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
             for (int k = 0; k < kn; k++) {
-                v16f v = fmt == F32 || fmt == BF16 ? wv[k] : fmt == Q8_0 ? d * wv[k] : d * wv[k] + m;
                 float *to = out + (b * KB + k) * N + g * G;
+                float row[G] __attribute__((aligned(64)));
+                for (int j = 0; j < NV; j++) {
+                    vf v = ldv(wv + k * G + j * VL);
+                    if (fmt == Q8_0)
+                        v = ldv(d + j * VL) * v;
+                    else if (fmt == Q4_0 || fmt == Q4_1)
+                        v = ldv(d + j * VL) * v + ldv(m + j * VL);
+                    stv(row + j * VL, v);
+                }
                 if (cols == G)
-                    memcpy(to, &v, sizeof v);
+                    memcpy(to, row, sizeof row);
                 else
-                    memcpy(to, &v, sizeof(float) * cols);
+                    memcpy(to, row, sizeof(float) * cols);
             }
         }
     }

@@ -22,13 +22,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import c_build
+from pdserve.kernels import c_build, cpu_isa
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4}
 QUANTIZED = ("q8_0", "q4_0", "q4_1")
 GROUP, BLOCK = 16, 32
-PROMPT_ROWS = 128  # more rows than this: the fp32 GEMM over the dequantized weight
+PROMPT_ROWS = {"avx512": 128, "avx2": 64, "portable": 32}  # more rows: the fp32 GEMM over the dequantized weight
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -178,13 +178,14 @@ def pack(b: Blocks) -> torch.Tensor:
 class CpuLinear:
     """The built `cpu_linear.c`: products and dequantization over packed weights."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, level: str) -> None:
         self._linear = lib.linear
         self._linear.argtypes = [_P, _I64, _I, _I64, _I64, _P, _I, _I64, _P, _P, _I64, _I, _I]
         self._linear.restype = _I
         self._dequant = lib.dequantize
         self._dequant.argtypes, self._dequant.restype = [_P, _I, _I64, _I64, _P, _I], _I
         self._scratch = torch.empty(0)
+        self.prompt_rows = PROMPT_ROWS[level]  # where this level's kernel stops beating dequantize + torch's GEMM
 
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, fmt: str, n: int, bias: torch.Tensor | None
@@ -229,7 +230,7 @@ class CpuLinear:
 def load(cache_dir: Path) -> CpuLinear | None:
     """The kernels, built into `cache_dir` on first use (`kernels.c_build`); None where they cannot be built."""
     lib = c_build.build(SOURCE, cache_dir)
-    return CpuLinear(lib) if lib is not None else None
+    return CpuLinear(lib, cpu_isa.level()) if lib is not None else None
 
 
 class QuantLinear(nn.Module):
@@ -256,10 +257,10 @@ class QuantLinear(nn.Module):
         self.nbytes = int(self.packed.numel())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= PROMPT_ROWS and x.stride(1) == 1 and x.dtype in _KERNEL_DTYPES:
+        if x.dim() == 2 and x.shape[0] <= self.kernels.prompt_rows and x.stride(1) == 1 and x.dtype in _KERNEL_DTYPES:
             return self.kernels.linear(x, self.packed, self.fmt, self.out_features, self.bias)
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > PROMPT_ROWS:
+        if flat.shape[0] > self.kernels.prompt_rows:
             if self.prompt is not None:
                 return self.prompt(x)
             wt = self.kernels.dequantize(self.packed, self.fmt, self.out_features, self.in_features, True)

@@ -108,10 +108,10 @@ def test_the_layer_runs_prompt_shapes_through_the_fp32_gemm_with_the_same_result
     w = torch.randn(40, 96)
     blocks = quant_linear.quantize(w, "q4_1")
     layer = QuantLinear(blocks, torch.randn(40), kernels)
-    x = torch.randn(3, quant_linear.PROMPT_ROWS + 7, 96).to(dtype)  # batched 3-d input, many rows
+    x = torch.randn(3, kernels.prompt_rows + 7, 96).to(dtype)  # batched 3-d input, many rows
     ref = F.linear(x.float(), quant_linear.dequantize(blocks), layer.bias)
     out = layer(x)
-    assert out.shape == (3, quant_linear.PROMPT_ROWS + 7, 40) and out.dtype == dtype
+    assert out.shape == (3, kernels.prompt_rows + 7, 40) and out.dtype == dtype
     assert torch.allclose(out.float(), ref, atol=1e-4 if dtype == torch.float32 else 0.1, rtol=1e-2)
     decode = layer(x[:, :2])  # decode rows: the C kernel
     assert torch.allclose(decode.float(), ref[:, :2], atol=1e-4 if dtype == torch.float32 else 0.1, rtol=1e-2)
