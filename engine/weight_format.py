@@ -1,7 +1,8 @@
 """Which format each linear layer's weight is held in on a CPU (`--quantization`), and reading a GGUF file's own.
 
-- `none`: the checkpoint's values in `--dtype`; fp32 stays on torch's GEMM (token-exact against transformers),
-  bf16 runs `cpu_linear.c` for decode shapes (oneDNN only where it has a native bf16 matrix unit, for prompts).
+- `none`: the checkpoint's values in `--dtype`; fp32 stays on torch's GEMM (token-exact against transformers);
+  bf16 stays on oneDNN's packed bf16 GEMM where the CPU computes bf16 natively (AMX, AVX512-BF16) and runs
+  `cpu_linear.c` elsewhere, where oneDNN emulates bf16 several times slower than fp32.
 - `q8_0`, `q4_0`: every linear weight quantized at load, round to nearest in blocks of 32 (ggml's formats).
 - `gguf`: the tensors of the GGUF file the model came from, in the file's own types (Q8_0, Q4_0, Q4_1, F16,
   BF16, F32), never requantized; the tied output layer reads the token embedding's blocks.
@@ -132,7 +133,7 @@ def apply(
     linears = _linears(model)
     if quantization == "none" and dtype == torch.float32:
         return "linear layers: torch fp32 GEMM"
-    if quantization == "none" and (dtype != torch.bfloat16 or kernels is None):
+    if quantization == "none" and (dtype != torch.bfloat16 or kernels is None or native_bf16_gemm()):
         packed = sum(1 for name, lin in linears.items() if can_pack(lin.weight) and _pack(model, name, lin))
         if packed:
             return f"linear layers: oneDNN packed {str(dtype).removeprefix('torch.')} ({packed})"
@@ -154,22 +155,19 @@ def apply(
         if missing:
             raise ValueError(f"{gguf.name} has no weights for {missing[:3]}")
     formats: Counter[str] = Counter()
-    prompt_gemm = "fp32 GEMM over the dequantized weight"
     for name, lin in linears.items():
-        prompt: nn.Module | None = None
         if quantization == "gguf":
             b = blocks[name]
         elif quantization == "none":
             b = quant_linear.quantize(lin.weight.detach(), "bf16")
-            if native_bf16_gemm() and can_pack(lin.weight):
-                prompt, prompt_gemm = PackedLinear(lin), "oneDNN bf16 GEMM"
         else:
             b = quant_linear.quantize(lin.weight.detach().float(), quantization)
-        _replace(model, name, QuantLinear(b, lin.bias, kernels, prompt))
+        _replace(model, name, QuantLinear(b, lin.bias, kernels))
         formats[b.fmt] += 1
     what = ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items()))
     return (
-        f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}) up to {kernels.prompt_rows} rows, {prompt_gemm} above"
+        f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}) up to {kernels.prompt_rows} rows, "
+        "the fp32 GEMM over the dequantized weight above"
     )
 
 

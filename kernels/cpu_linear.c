@@ -9,8 +9,8 @@
  *   q4_1: fp16 d[16], fp16 m[16], uint8 q[16][16]  (w = d q + m)
  *
  * By rows of x: up to 3 rows stream each block straight into the products, scales applied once per block
- * (sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k); 4 to 15 rows decode each block once for all of them;
- * from 16 rows on a group is dequantized whole into a panel and tiled over with accumulators kept in registers
+ * (sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k); 4 to 7 rows decode each block once for all of them;
+ * from 8 rows on a group is dequantized whole into a panel and tiled over with accumulators kept in registers
  * across K (two groups per tile on AVX-512). Every path is the fp32 product of the dequantized weights up to the
  * order of fp32 summation.
  *
@@ -45,7 +45,7 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4 };
 #define KB 32
 #define MT 64
 #ifndef PANEL_ROWS
-#define PANEL_ROWS 16 /* from this many rows on, a group is dequantized whole once and tiled over */
+#define PANEL_ROWS 8 /* from this many rows on, a group is dequantized whole once and tiled over */
 #endif
 #ifndef PREFETCH
 #define PREFETCH 4096 /* bytes ahead: what keeps enough lines in flight for one core to stream at the memory's pace */

@@ -235,25 +235,21 @@ def load(cache_dir: Path) -> CpuLinear | None:
 
 class QuantLinear(nn.Module):
     """A linear layer over packed weights: the C kernel for decode shapes, the fp32 GEMM over the dequantized
-    weight for prompt shapes (or `prompt` where given: oneDNN's packed bf16, where this CPU has it). Activations
-    come and go in the model's dtype."""
+    weight for prompt shapes. Activations come and go in the model's dtype."""
 
     packed: torch.Tensor  # a buffer: the weight in the kernel's layout
-    prompt: nn.Module | None
 
     def __init__(
         self,
         blocks: Blocks,
         bias: torch.Tensor | None,
         kernels: CpuLinear,
-        prompt: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.fmt, self.in_features, self.out_features = blocks.fmt, blocks.k, blocks.n
         self.register_buffer("packed", pack(blocks), persistent=False)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernels = kernels
-        self.prompt = prompt
         self.nbytes = int(self.packed.numel())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -261,8 +257,6 @@ class QuantLinear(nn.Module):
             return self.kernels.linear(x, self.packed, self.fmt, self.out_features, self.bias)
         flat = x.reshape(-1, self.in_features)
         if flat.shape[0] > self.kernels.prompt_rows:
-            if self.prompt is not None:
-                return self.prompt(x)
             wt = self.kernels.dequantize(self.packed, self.fmt, self.out_features, self.in_features, True)
             xf = flat.float()
             out = (torch.addmm(self.bias, xf, wt) if self.bias is not None else torch.mm(xf, wt)).to(x.dtype)
