@@ -370,11 +370,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     systems = [s for s in dict.fromkeys(r["system"] for r in rows) if "(mixed)" not in s]
-    colors = dict(zip(systems, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {system: palette[i % len(palette)] for i, system in enumerate(systems)}
     for system in systems:
         rs = sorted((r for r in rows if r["system"] == system), key=lambda r: r["concurrency"])
         xs = [r["concurrency"] for r in rs]
-        style = {"marker": "o", "label": system, "color": colors[system]}
+        style = {"marker": "o", "label": system, "color": colors[system], "linestyle": "--" if "(" in system else "-"}
         axes[0].plot(xs, [r["output_throughput"] for r in rs], **style)
         if system != "hf-generate":  # static batches: no streaming, so no TTFT or ITL
             axes[1].plot(xs, [r["ttft_ms"]["median"] / 1000 for r in rs], **style)
@@ -385,7 +386,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M bf16, 128-token prompts, 128 tokens out, 2 CPU cores")
+    fig.suptitle("SmolLM2-135M (bf16 unless marked), 128-token prompts, 128 tokens out, 2 CPU cores")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -30,6 +30,7 @@ FORMATS = {  # name: (dtype, --quantization)
     "q8_0": ("bfloat16", "q8_0"),
     "q4_0": ("bfloat16", "q4_0"),
     "gguf": ("bfloat16", "gguf"),
+    "gguf-fp32": ("float32", "gguf"),  # the file's blocks, fp32 activations and KV cache
 }
 CONTEXT = 192
 
@@ -141,7 +142,7 @@ def _linear_modules(model: torch.nn.Module) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS)[:5], choices=list(FORMATS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12, help="decode steps timed per batch size (median)")
     ap.add_argument("--json", help="write the rows and the limits here")

@@ -3,7 +3,7 @@
 Levels, lowest first: `portable` (any x86-64, or another architecture), `avx2` (AVX2 + FMA + F16C: many clouds
 and laptops), `avx512` (AVX-512 F/BW/VL/DQ). `PDSERVE_CPU_ISA=portable|avx2|avx512` caps the level: the C kernels
 are then built for it (`-march=x86-64`, `x86-64-v3`, `x86-64-v4` instead of `native`), and `torch_env` names the
-variables that cap torch's own kernels the same way (ATen's and oneDNN's), which must be set before torch is
+variables that cap torch's own kernels the same way (ATen's, oneDNN's and MKL's), which must be set before torch is
 imported: `pdserve` and the test suite do so at start. Nothing here imports torch.
 """
 
@@ -20,7 +20,8 @@ _NEEDS = {
     "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"},
 }
 MARCH = {"portable": "x86-64", "avx2": "x86-64-v3", "avx512": "x86-64-v4"}
-_TORCH = {"portable": ("default", "SSE41"), "avx2": ("avx2", "AVX2")}  # (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA)
+# (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS): torch's fp32 GEMM is MKL's
+_TORCH = {"portable": ("default", "SSE41", "SSE4_2"), "avx2": ("avx2", "AVX2", "AVX2")}
 
 
 def cpu_flags() -> set[str]:
@@ -71,8 +72,8 @@ def torch_env() -> dict[str, str]:
     limit = cap()
     if limit is None or level() == detected() or level() not in _TORCH:
         return {}
-    aten, onednn = _TORCH[level()]
-    return {"ATEN_CPU_CAPABILITY": aten, "ONEDNN_MAX_CPU_ISA": onednn}
+    aten, onednn, mkl = _TORCH[level()]
+    return {"ATEN_CPU_CAPABILITY": aten, "ONEDNN_MAX_CPU_ISA": onednn, "MKL_ENABLE_INSTRUCTIONS": mkl}
 
 
 def apply_cap() -> None:

@@ -28,7 +28,7 @@ SOURCE = Path(__file__).with_name("cpu_linear.c")
 FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4}
 QUANTIZED = ("q8_0", "q4_0", "q4_1")
 GROUP, BLOCK = 16, 32
-PROMPT_ROWS = {"avx512": 128, "avx2": 64, "portable": 32}  # more rows: the fp32 GEMM over the dequantized weight
+PROMPT_ROWS = {"avx512": 128, "avx2": 128, "portable": 32}  # more rows: the fp32 GEMM over the dequantized weight
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
