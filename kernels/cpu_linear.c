@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 #if defined(__AVX512F__)
 #define VL 16
 #elif defined(__AVX__)
@@ -319,20 +321,6 @@ static void block_sums(const float *x, int64_t ldx, int64_t M, int64_t K, float 
             for (int64_t k = b * KB; k < K && k < (b + 1) * KB; k++) s += x[r * ldx + k];
             xs[r * nb + b] = s;
         }
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);                  /* round to nearest even */
 }
 
 static void store_rows(const float *acc, int rows, int cols, const float *bias, void *yout, int64_t ldy, int y_bf16,

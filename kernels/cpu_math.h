@@ -1,5 +1,6 @@
 /* Scalar helpers the CPU kernels share: bfloat16 <-> float32 and a vectorizable exp.
- * Included by cpu_paged_attention.c and cpu_elementwise.c (kernels/c_build.py hashes this file with them). */
+ * Included by cpu_paged_attention.c, cpu_elementwise.c and cpu_linear.c (kernels/c_build.py hashes this file with
+ * them). */
 #ifndef PDSERVE_CPU_MATH_H
 #define PDSERVE_CPU_MATH_H
 
