@@ -2,9 +2,9 @@
 
 A decode step multiplies a few rows of activations by every weight once, so its time is the time to read the
 weights: smaller weights (bf16, int8 or 4-bit blocks, as GGUF files hold them) are a faster step, provided that
-turning them back into numbers costs less than the bytes saved. `cpu_linear.c` does that for up to a few dozen
-rows; prompt shapes (many rows) are compute-bound instead and run the fp32 GEMM over the weight dequantized into
-a scratch buffer, which costs one pass over the weight per call.
+turning them back into numbers costs less than the bytes saved. `cpu_linear.c` does that for up to 128 rows (32
+on the portable build); longer prompt chunks are compute-bound instead and run torch's fp32 GEMM over the weight
+dequantized into a scratch buffer, which costs one pass over the weight per call.
 
 The formats follow ggml's block formats (blocks of 32 along the input dimension, fp16 scales): `q8_0` (int8,
 one scale), `q4_0` (4-bit, one scale, offset 8), `q4_1` (4-bit, scale and minimum); `bf16` and `f32` hold the
@@ -26,7 +26,6 @@ from pdserve.kernels import c_build, cpu_isa
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4}
-QUANTIZED = ("q8_0", "q4_0", "q4_1")
 GROUP, BLOCK = 16, 32
 PROMPT_ROWS = {"avx512": 128, "avx2": 128, "portable": 32}  # more rows: the fp32 GEMM over the dequantized weight
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -261,7 +260,7 @@ class QuantLinear(nn.Module):
             xf = flat.float()
             out = (torch.addmm(self.bias, xf, wt) if self.bias is not None else torch.mm(xf, wt)).to(x.dtype)
         else:
-            if flat.stride(-1) != 1 or x.dtype not in (torch.float32, torch.bfloat16):
+            if flat.stride(-1) != 1 or x.dtype not in _KERNEL_DTYPES:
                 flat = flat.float().contiguous()
             out = self.kernels.linear(flat, self.packed, self.fmt, self.out_features, self.bias).to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
