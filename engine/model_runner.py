@@ -73,7 +73,9 @@ class ModelRunner:
         weight_format.check(cfg.quantization, device.type)
         if device.type == "cpu":
             log.info("CPU level %s (%s)", cpu_isa.level(), f"capped by {cpu_isa.ENV}" if cpu_isa.cap() else "detected")
-            wants_kernels = cfg.quantization != "none" or dtype == torch.bfloat16
+            wants_kernels = cfg.quantization != "none" or (
+                dtype == torch.bfloat16 and not weight_format.native_bf16_gemm()
+            )
             kernels = quant_linear.load(cache_dir() / "kernels") if wants_kernels else None
             gguf = gguf_source(resolve_model(cfg.model)) if cfg.quantization == "gguf" else None
             log.info("%s", weight_format.apply(model, cfg.quantization, dtype, kernels, gguf))

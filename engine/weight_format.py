@@ -22,7 +22,7 @@ from torch import nn
 
 from pdserve.engine.config import QUANTIZATIONS, ModelConfig
 from pdserve.kernels import cpu_isa, quant_linear
-from pdserve.kernels.packed_linear import PackedLinear, can_pack
+from pdserve.kernels.packed_linear import PackedLinear, pack_linears
 from pdserve.kernels.quant_linear import Blocks, CpuLinear, QuantLinear
 
 log = logging.getLogger(__name__)
@@ -128,13 +128,13 @@ def apply(
     kernels: CpuLinear | None,
     gguf: Path | None = None,
 ) -> str:
-    """Put every linear layer of a CPU model in its format; returns what runs them, for the start-up log."""
-    check(quantization, "cpu")
+    """Put every linear layer of a CPU model in its format (`check` it first); returns what runs them, for the
+    start-up log."""
     linears = _linears(model)
     if quantization == "none" and dtype == torch.float32:
         return "linear layers: torch fp32 GEMM"
     if quantization == "none" and (dtype != torch.bfloat16 or kernels is None or native_bf16_gemm()):
-        packed = sum(1 for name, lin in linears.items() if can_pack(lin.weight) and _pack(model, name, lin))
+        packed = pack_linears(model)
         if packed:
             return f"linear layers: oneDNN packed {str(dtype).removeprefix('torch.')} ({packed})"
         log.warning(
@@ -169,11 +169,6 @@ def apply(
         f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}) up to {kernels.prompt_rows} rows, "
         "the fp32 GEMM over the dequantized weight above"
     )
-
-
-def _pack(model: nn.Module, name: str, lin: nn.Linear) -> bool:
-    _replace(model, name, PackedLinear(lin))
-    return True
 
 
 def weight_bytes(model: nn.Module) -> int:

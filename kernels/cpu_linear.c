@@ -200,7 +200,7 @@ static inline void row_one(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, 
     vf acc[NV];
     for (int j = 0; j < NV; j++) acc[j] = (vf){0};
     float w0[G] __attribute__((aligned(64))) = {0}, w1[G] __attribute__((aligned(64))) = {0};
-    float d[G] __attribute__((aligned(64))), m[G] __attribute__((aligned(64)));
+    float d[G] __attribute__((aligned(64))) = {0}, m[G] __attribute__((aligned(64))) = {0};
     for (int64_t b = 0; b < nb; b++, blk += bb) {
         int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
         const float *xb = x + b * KB;
@@ -242,7 +242,7 @@ static inline void row_one(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, 
 static void blockwise_group(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const float *x, int64_t ldx,
                             int rows, int64_t K, const float *xs, float *acc) {
     float w[KB * G] __attribute__((aligned(64))), part[MT * G] __attribute__((aligned(64)));
-    float d[G] __attribute__((aligned(64))), m[G] __attribute__((aligned(64)));
+    float d[G] __attribute__((aligned(64))) = {0}, m[G] __attribute__((aligned(64))) = {0};
     memset(acc, 0, sizeof(float) * rows * G);
     for (int64_t b = 0; b < nb; b++, blk += bb) {
         int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
@@ -267,7 +267,7 @@ static void blockwise_group(int fmt, const uint8_t *blk, int64_t bb, int64_t nb,
 /* A group's whole weight as an fp32 panel [K][16], dequantized (d q + m): what the tiles of many rows read,
  * decoded once per call however many rows there are. */
 static void decode_panel(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, float *panel) {
-    float d[G] __attribute__((aligned(64))), m[G] __attribute__((aligned(64)));
+    float d[G] __attribute__((aligned(64))) = {0}, m[G] __attribute__((aligned(64))) = {0};
     for (int64_t b = 0; b < nb; b++, blk += bb) {
         float *p = panel + b * KB * G;
         for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
@@ -369,12 +369,12 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         float *panels = use_panels ? aligned_alloc(64, sizeof(float) * PAIR * nb * KB * G) : NULL;
-        float *acc0 = aligned_alloc(64, sizeof(float) * 2 * MT * G);
-        __attribute__((unused)) float *acc1 = acc0 ? acc0 + MT * G : NULL;
-        failed |= (use_panels && !panels) || !acc0;
+        float acc0[MT * G] __attribute__((aligned(64)));
+        __attribute__((unused)) float acc1[MT * G] __attribute__((aligned(64)));
+        failed |= use_panels && !panels;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
-            if ((use_panels && !panels) || !acc0) continue;
+            if (use_panels && !panels) continue;
             int64_t g0 = t * PAIR, n_g = groups - g0 < PAIR ? groups - g0 : PAIR;
             if (use_panels)
                 for (int64_t i = 0; i < n_g; i++)
@@ -406,7 +406,6 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
             }
         }
         free(panels);
-        free(acc0);
     }
     free(scratch);
     return failed ? -2 : 0;

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from pdserve.cli.errors import CLIError
-from pdserve.cli.services import model_and_dtype, tls_config
+from pdserve.cli.services import check_quantization, model_and_dtype, tls_config
 
 
 async def stream_completion(address: str, args: argparse.Namespace, out=sys.stdout) -> int:
@@ -57,7 +57,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _generate_local(args: argparse.Namespace) -> int:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine_core import EngineCore
-    from pdserve.engine.model_store import gguf_source
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
     from pdserve.gateway.tokenizer import Tokenizer
@@ -66,10 +65,7 @@ def _generate_local(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p or 1.0, seed=args.seed
     ).validate()  # before the model loads: a bad value costs nothing
     path, dtype = model_and_dtype(args.model, args.dtype, args.device)
-    if args.quantization != "none" and args.device != "cpu":
-        raise CLIError(f"--quantization {args.quantization} runs on a CPU only; with --device {args.device} use none")
-    if args.quantization == "gguf" and gguf_source(Path(path)) is None:
-        raise CLIError(f"--quantization gguf needs a model that is a .gguf file (or 'default'); {args.model!r} is not")
+    check_quantization(args.quantization, args.device, path, args.model)
     cfg = EngineConfig(
         model=path,
         dtype=dtype,

@@ -143,13 +143,22 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
+def check_quantization(quantization: str, device: str, path: str, model: str) -> None:
+    """CLIError for weights a worker could not hold: quantized on a GPU, or `gguf` for a model not from a GGUF."""
+    from pdserve.engine.model_store import gguf_source
+
+    if quantization != "none" and device != "cpu":
+        raise CLIError(f"--quantization {quantization} runs on a CPU only; with --device {device} use none")
+    if quantization == "gguf" and gguf_source(Path(path)) is None:
+        raise CLIError(f"--quantization gguf needs a model that is a .gguf file (or 'default'); {model!r} is not")
+
+
 def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
     """The engine configuration the flags describe, checked before any weights load: a budget that holds no
     KV block or more than this machine has free (for `copies` workers), a bad dtype, block size or context
     length fail here, in one line."""
     from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
     from pdserve.engine.kv_cache import plan_kv_cache
-    from pdserve.engine.model_store import gguf_source
 
     path, dtype = model_and_dtype(options.model, options.dtype, options.device)
     try:
@@ -158,14 +167,7 @@ def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
         )  # the weights' format does not change a block's size
     except ValueError as e:
         raise CLIError(str(e)) from None
-    if options.quantization != "none" and options.device != "cpu":
-        raise CLIError(
-            f"--quantization {options.quantization} runs on a CPU only; with --device {options.device} use none"
-        )
-    if options.quantization == "gguf" and gguf_source(Path(path)) is None:
-        raise CLIError(
-            f"--quantization gguf needs a model that is a .gguf file (or 'default'); {options.model!r} is not"
-        )
+    check_quantization(options.quantization, options.device, path, options.model)
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         if getattr(options, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
