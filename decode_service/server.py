@@ -18,7 +18,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import InvalidParameter
 from pdserve.errors import PrefillNotAllowed, status_of
 from pdserve.failure import failure_metadata
-from pdserve.grpc_server import RunningServer, open_channel, records_cancellation, start_server
+from pdserve.grpc_server import RunningServer, open_channel, start_server
 from pdserve.kvtransfer.errors import TransferError
 from pdserve.protos import worker_pb2, worker_pb2_grpc
 from pdserve.security import TLSConfig
@@ -112,7 +112,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.address = address  # how the gateway names this worker, for the failure metadata
         self.prefill = prefill
 
-    @records_cancellation
     async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id or uuid.uuid4().hex
         params = sampling_from_proto(request.sampling)

@@ -15,7 +15,7 @@ from pdserve.gateway.openai_api import HTTPLimits, HTTPServer, create_app
 from pdserve.gateway.request_path import GenerationRequest, RequestError, RequestPath
 from pdserve.gateway.router import NoWorkerAvailable, Router
 from pdserve.gateway.tokenizer import Tokenizer
-from pdserve.grpc_server import RunningServer, records_cancellation, start_server
+from pdserve.grpc_server import RunningServer, start_server
 from pdserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from pdserve.security import ApiKeyInterceptor, TLSConfig
 from pdserve.tracing import Tracing
@@ -58,7 +58,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, path: RequestPath) -> None:
         self.path = path
 
-    @records_cancellation
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         req = request_from_proto(request, context)
         try:

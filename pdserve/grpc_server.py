@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import logging
 import signal
@@ -16,7 +15,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from pdserve.deadline import DEADLINE_SLACK_S
 from pdserve.security import TLSConfig
 
 log = logging.getLogger(__name__)
@@ -248,40 +246,3 @@ async def serve_until_signal(stop: Callable[[], Awaitable[None]], fatal: asyncio
         if not w.done():
             w.cancel()
     return 1 if failed else 0
-
-
-def records_cancellation(method: Callable) -> Callable:
-    """For a servicer method: a call the client cancelled, or whose deadline passed, ends with CANCELLED or
-    DEADLINE_EXCEEDED on its context, so the server span (OpenTelemetry's interceptor reads the context's code)
-    says so instead of OK. Works for unary and streaming handlers."""
-
-    def note(context: grpc.aio.ServicerContext) -> None:
-        remaining = context.time_remaining()
-        passed = remaining is not None and remaining <= DEADLINE_SLACK_S
-        try:
-            context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED if passed else grpc.StatusCode.CANCELLED)
-        except Exception:  # noqa: BLE001 - the call is gone; the span is all this is for
-            pass
-
-    if inspect.isasyncgenfunction(method):
-
-        @functools.wraps(method)
-        async def stream(self, request, context):
-            try:
-                async for item in method(self, request, context):
-                    yield item
-            except asyncio.CancelledError:
-                note(context)
-                raise
-
-        return stream
-
-    @functools.wraps(method)
-    async def unary(self, request, context):
-        try:
-            return await method(self, request, context)
-        except asyncio.CancelledError:
-            note(context)
-            raise
-
-    return unary

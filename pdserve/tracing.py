@@ -10,11 +10,17 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span
+
+from pdserve.deadline import mark_ended_from_outside
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 GRPC_NOISE = ("grpc.health.v1.Health", "grpc.reflection.")
 
@@ -71,11 +77,9 @@ class Tracing:
         return self._provider is not None
 
     def server_interceptors(self) -> list:
-        if not self.enabled:
+        if self._provider is None:
             return []
-        from opentelemetry.instrumentation.grpc import aio_server_interceptor
-
-        return [aio_server_interceptor(tracer_provider=self._provider, filter_=_not_noise())]
+        return [_server_interceptor(self._provider)]
 
     def client_interceptors(self) -> list:
         if not self.enabled:
@@ -122,6 +126,66 @@ def _cancel_aware(interceptor):
         request_hook=interceptor._request_hook,
         response_hook=interceptor._response_hook,
     )
+
+
+def _server_interceptor(provider: TracerProvider):
+    """OpenTelemetry's aio server interceptor, except that a call ended from outside (the client cancelled, its
+    deadline passed) ends its span with CANCELLED or DEADLINE_EXCEEDED instead of OK. The end can reach a
+    streaming handler two ways: as CancelledError inside it, or, when grpc was cancelled while writing a message,
+    as the response generator being closed at a `yield`; both are caught here, while the span is still open, and
+    the handler's own generator is closed inside the span too."""
+    from opentelemetry.instrumentation.grpc import __version__
+    from opentelemetry.instrumentation.grpc._aio_server import (
+        OpenTelemetryAioServerInterceptor,
+        _OpenTelemetryAioServicerContext,
+    )
+
+    class EndAware(OpenTelemetryAioServerInterceptor):
+        def _intercept_aio_server_unary(self, behavior, handler_call_details):
+            async def unary(request, context):
+                with self._set_remote_context(context):
+                    with self._start_span(handler_call_details, context, set_status_on_exception=False) as span:
+                        context = _OpenTelemetryAioServicerContext(context, span)
+                        try:
+                            return await behavior(request, context)
+                        except asyncio.CancelledError:
+                            mark_ended_from_outside(context)
+                            raise
+                        except Exception as error:
+                            if type(error) is not Exception:  # a bare Exception is grpc's abort, told by the context
+                                span.record_exception(error)
+                            raise
+
+            return unary
+
+        def _intercept_aio_server_stream(self, behavior, handler_call_details):
+            async def stream(request, context):
+                with self._set_remote_context(context):
+                    with self._start_span(handler_call_details, context, set_status_on_exception=False) as span:
+                        context = _OpenTelemetryAioServicerContext(context, span)
+                        responses = behavior(request, context)
+                        try:
+                            async for response in responses:
+                                yield response
+                        except (asyncio.CancelledError, GeneratorExit):
+                            mark_ended_from_outside(context)
+                            raise
+                        except Exception as error:
+                            if type(error) is not Exception:
+                                span.record_exception(error)
+                            raise
+                        finally:
+                            await responses.aclose()
+
+            return stream
+
+    tracer = trace.get_tracer(
+        "opentelemetry.instrumentation.grpc",
+        __version__,
+        provider,
+        schema_url="https://opentelemetry.io/schemas/1.11.0",
+    )
+    return EndAware(tracer, filter_=_not_noise())
 
 
 def _not_noise():

@@ -10,7 +10,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import InvalidParameter
 from pdserve.errors import status_of
 from pdserve.failure import failure_metadata
-from pdserve.grpc_server import RunningServer, records_cancellation, start_server
+from pdserve.grpc_server import RunningServer, start_server
 from pdserve.kernels.kv_layout import LayoutMismatch
 from pdserve.kvtransfer.errors import TransferError
 from pdserve.prefill_service.observe import PrefillObserver
@@ -28,7 +28,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.worker = worker
         self.address = address
 
-    @records_cancellation
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         try:
             result = await self.worker.prefill(job_from_proto(request))

@@ -10,6 +10,7 @@ from collections import defaultdict
 
 import grpc
 import pytest
+from opentelemetry import trace
 
 from pdserve.client import Client
 from pdserve.logs import JsonFormatter, TextFormatter, log_request
@@ -281,6 +282,50 @@ async def test_cancelled_and_timed_out_requests_say_so_on_their_server_spans(obs
         if sp.trace_id in ids and sp.kind == "CLIENT" and sp.name == "/pdserve.v1.DecodeService/Decode"
     ]
     assert client.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0], client.attributes
+
+
+@pytest.mark.parametrize("ended_by", ["cancel", "deadline"])
+async def test_a_stream_cut_while_the_server_writes_ends_its_span_with_the_cause(ended_by):
+    """grpc cancels a streaming call wherever its task waits; a handler that never waits (replies ready, the
+    client not reading) is cut inside grpc's write, so the handler only sees its generator closed at a `yield`.
+    The span still says CANCELLED or DEADLINE_EXCEEDED, and the handler is closed before the span ends."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing = Tracing("flood", exporter=exporter)
+    closed: list[bool] = []
+
+    async def flood(request: bytes, context):
+        try:
+            for _ in range(10_000):  # far more than the transport's windows hold
+                yield b"x" * 65536
+        finally:
+            closed.append(trace.get_current_span().is_recording())
+
+    handler = grpc.method_handlers_generic_handler("t.Flood", {"Flood": grpc.unary_stream_rpc_method_handler(flood)})
+    server = grpc.aio.server(interceptors=tracing.server_interceptors())
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_stream("/t.Flood/Flood")(b"", timeout=2.0 if ended_by == "deadline" else None)
+            await call.read()
+            if ended_by == "cancel":
+                call.cancel()
+            code = await asyncio.wait_for(call.code(), 30)
+        for _ in range(300):
+            if closed:
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await server.stop(None)
+    tracing.shutdown()
+    want = grpc.StatusCode.CANCELLED if ended_by == "cancel" else grpc.StatusCode.DEADLINE_EXCEEDED
+    assert code == want
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "/t.Flood/Flood"]
+    assert span.attributes["rpc.grpc.status_code"] == want.value[0], span.attributes
+    assert closed == [True]
 
 
 async def test_http_spans_carry_the_semantic_convention_attributes(observed_stack):
