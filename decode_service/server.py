@@ -16,8 +16,8 @@ from pdserve.decode_service.worker import DecodeWorker, TokenEvent
 from pdserve.discovery import resolve_ipv4
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import InvalidParameter
-from pdserve.errors import PrefillNotAllowed, status_of
-from pdserve.failure import failure_metadata
+from pdserve.errors import HandedBack, PrefillNotAllowed, status_of
+from pdserve.failure import HANDED_BACK, failure_metadata
 from pdserve.grpc_server import RunningServer, open_channel, start_server
 from pdserve.kvtransfer.errors import TransferError
 from pdserve.protos import worker_pb2, worker_pb2_grpc
@@ -127,7 +127,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                     "started with (--prefill)"
                 )
             async for events in self.worker.generate(
-                rid, list(request.prompt_token_ids), params, prefill, stream_id, deadline
+                rid,
+                list(request.prompt_token_ids),
+                params,
+                prefill,
+                stream_id,
+                deadline,
+                request.num_prompt_tokens or None,
             ):
                 msg = _response(events, params.logprobs is not None)
                 if first:
@@ -145,6 +151,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 status_of(e),
                 f"KV transfer from prefill worker {prefill} failed: {e}",
                 failure_metadata("prefill", prefill),
+            )
+        except HandedBack as e:  # draining: the gateway moves the stream to another worker
+            await context.abort(
+                status_of(e), str(e), (*failure_metadata("decode", self.address), (HANDED_BACK, "drain"))
             )
         except Exception as e:  # noqa: BLE001 - every failure is reported with its status (errors.STATUS)
             message = str(e) if isinstance(e, InvalidParameter) else f"decode worker {self.address}: {e}"
@@ -217,3 +227,18 @@ async def serve(
     else:
         log.info("colocated worker on %s:%d", host, running.port)
     return running, worker, clients
+
+
+HAND_BACK_S = 10.0  # after the grace: what handed-back streams get to end before the server cancels them
+
+
+async def drain(running: RunningServer, worker: DecodeWorker, grace: float) -> None:
+    """On SIGTERM: NOT_SERVING and no new calls at once; the streams in flight get `grace` seconds to finish,
+    then the rest are handed back to the gateway, which moves them to other workers. Returns once every call
+    has ended."""
+    await running.health.enter_graceful_shutdown()
+    stopping = asyncio.ensure_future(running.server.stop(grace=grace + HAND_BACK_S))
+    if not await worker.streams_ended(grace):
+        handed = worker.hand_back()
+        log.info("draining: %d streams still running after %.1f s handed back to the gateway", handed, grace)
+    await stopping

@@ -30,7 +30,7 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.sampler import SampleOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.errors import WorkerClosing
+from pdserve.errors import HandedBack, WorkerClosing
 from pdserve.kvtransfer.backends import make_transport
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.wire import PrefillJob, PrefillResult
@@ -138,9 +138,9 @@ class DecodeWorker:
         if self.receiver is not None:
             await self.receiver.close()
 
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check(self, token_ids: list[int], params: SamplingParams, num_prompt_tokens: int | None = None) -> None:
         """InvalidParameter for requests that can never run here."""
-        self.core.check(prompt_ids, params)
+        self.core.check(token_ids, params, num_prompt_tokens=num_prompt_tokens)
 
     # ---- one request -------------------------------------------------------------------------------------
 
@@ -152,15 +152,17 @@ class DecodeWorker:
         prefill_address: str = "",
         stream_id: str = "",
         deadline: float | None = None,
+        num_prompt_tokens: int | None = None,
     ) -> AsyncIterator[list[TokenEvent]]:
         """Stream a request's tokens, in lists of what is ready (more than one when the reader lags). Without a
         `prefill_address` (or colocated) the prompt is prefilled here. Leaving the iterator early (cancel, error)
         frees everything the request held; `finish(stream_id, reason)` ends it early as a normal finish.
-        `deadline` (time.monotonic()) tells a deadline from a cancellation."""
+        `deadline` (time.monotonic()) tells a deadline from a cancellation. `num_prompt_tokens` below
+        `len(prompt_ids)`: the rest were generated elsewhere (a moved stream) and count as output here."""
         if self._closing:
             raise WorkerClosing(f"{self.role} worker is shutting down")
-        self.check(prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), params)
+        self.check(prompt_ids, params, num_prompt_tokens)
+        seq = Sequence(request_id, list(prompt_ids), params, num_prompt_tokens=num_prompt_tokens or -1)
         remote = prefill_address if self.receiver is not None else ""
         watch = self.observer.request(seq, remote)
         req = _Request(seq)
@@ -226,6 +228,20 @@ class DecodeWorker:
     async def close(self) -> None:
         """Refuse new requests (the server is draining); those in flight go on."""
         self._closing = True
+
+    async def streams_ended(self, timeout: float) -> bool:
+        """Whether every stream in flight ended within `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while self._streams and loop.time() < end:
+            await asyncio.sleep(min(0.05, max(0.0, end - loop.time())))
+        return not self._streams
+
+    def hand_back(self) -> int:
+        """End every stream in flight unfinished (HandedBack), for the gateway to move; how many there were."""
+        for req in self._streams.values():
+            req.events.put_nowait(HandedBack("draining: the stream is handed back to be moved"))
+        return len(self._streams)
 
     async def _prefill_remotely(self, req: _Request, address: str) -> TokenEvent:
         """Have the prefill worker at `address` compute every token of req's sequence into its reserved blocks,

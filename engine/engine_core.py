@@ -122,9 +122,16 @@ class EngineCore:
     def blocks_needed(self, num_tokens: int) -> int:
         return self.allocator.blocks_needed(num_tokens)
 
-    def check(self, token_ids: Seq[int], params: SamplingParams, new_tokens: int | None = None) -> None:
+    def check(
+        self,
+        token_ids: Seq[int],
+        params: SamplingParams,
+        new_tokens: int | None = None,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
         """InvalidParameter, naming what is wrong, for a request that could never run here. `new_tokens`: how
-        many tokens this engine adds to it (a prefill worker: 1); default `max_tokens`."""
+        many tokens this engine adds to it (a prefill worker: 1); default what `max_tokens` leaves.
+        `num_prompt_tokens`: where the prompt ends, when the rest of `token_ids` were generated already."""
         check_request(
             token_ids,
             params,
@@ -132,6 +139,7 @@ class EngineCore:
             self.max_model_len,
             (self.allocator.num_blocks - self.watermark) * self.allocator.block_size,
             new_tokens,
+            num_prompt_tokens,
         )
 
     def add(self, seq: Sequence) -> None:

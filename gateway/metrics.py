@@ -54,6 +54,23 @@ class GatewayMetrics:
         self.retries = Counter(
             "pdserve_gateway_retries", "Requests re-routed after a worker refused or failed.", registry=r
         )
+        self.migrations = Counter(
+            "pdserve_gateway_migrations",
+            "Streams moved to another decode worker after their first token, by why the stream broke.",
+            ["reason"],
+            registry=r,
+        )
+        self.migration_tokens = Counter(
+            "pdserve_gateway_migration_prefill_tokens",
+            "Tokens (prompt plus those generated so far) prefilled again because a stream moved.",
+            registry=r,
+        )
+        self.migration_stall = Histogram(
+            "pdserve_gateway_migration_stall_seconds",
+            "What a moved stream's client waited: its last token before the move to its first after.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.workers = Gauge(
             "pdserve_gateway_workers", "Workers the router knows, by role and health.", ["role", "state"], registry=r
         )

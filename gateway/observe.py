@@ -38,6 +38,8 @@ class RequestWatch:
         self.last_token = 0.0
         self.decode = ""
         self.prefill = ""
+        self.migrations = 0
+        self._moved = False
         metrics.in_flight.inc()
 
     def routed(self, decode: str, prefill: str) -> None:
@@ -53,7 +55,27 @@ class RequestWatch:
             self.metrics.ttft.observe(self.ttft)
         else:
             self.metrics.itl.observe(now - self.last_token)
+            if self._moved:  # the client's gap across a migration: last token before it to first after
+                self.metrics.migration_stall.observe(now - self.last_token)
+        self._moved = False
         self.last_token = now
+
+    def migrated(self, reason: str, source: str, target: str, generated: int, reprefill: int) -> None:
+        """The stream broke after `generated` tokens on `source`; `target` continues it from `reprefill` tokens."""
+        self.migrations += 1
+        self._moved = True
+        self.metrics.migrations.labels(reason).inc()
+        self.metrics.migration_tokens.inc(reprefill)
+        self.span.add_event(
+            "pdserve.migrated",
+            {
+                "pdserve.from": source,
+                "pdserve.to": target,
+                "pdserve.reason": reason,
+                "pdserve.generated_tokens": generated,
+                "pdserve.reprefill_tokens": reprefill,
+            },
+        )
 
     def retried(self) -> None:
         self.metrics.retries.inc()
@@ -86,6 +108,7 @@ class RequestWatch:
                 "pdserve.cached_prompt_tokens": self.cached_tokens,
                 "pdserve.finish_reason": self.finish_reason,
                 "pdserve.status": self.status,
+                "pdserve.migrations": self.migrations,
             }
         )
         log_request(
@@ -103,4 +126,5 @@ class RequestWatch:
             e2e_s=round(e2e, 4),
             decode=self.decode,
             prefill=self.prefill,
+            migrations=self.migrations,
         )

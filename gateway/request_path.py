@@ -1,7 +1,8 @@
 """One request's path through the gateway, whatever front door it came in by (gRPC or the OpenAI HTTP API).
 
 Validate (byte sizes before any tokenizing), tokenize off the event loop, pick a decode and a prefill worker,
-stream from the decode worker (retrying elsewhere if a worker refuses before the first token), detokenize
+stream from the decode worker (retrying elsewhere if a worker refuses before the first token; moving the
+request, prompt and tokens so far, to another decode worker if its stream breaks after it: migration), detokenize
 incrementally, hold back text that could begin a stop string, and end with a finish reason and usage. Every
 failure is a `RequestError` carrying the gRPC status it maps to and, for bad input, the parameter at fault;
 the front doors only translate. Metrics, the request log line and the span attributes are recorded here, once.
@@ -20,7 +21,7 @@ import grpc
 from opentelemetry import trace
 
 from pdserve.engine.sampling_params import InvalidParameter
-from pdserve.failure import FAILED_ADDRESS, FAILED_PARTY, INVALID_PARAMETER
+from pdserve.failure import FAILED_ADDRESS, FAILED_PARTY, HANDED_BACK, INVALID_PARAMETER
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.observe import RequestWatch
 from pdserve.gateway.router import NoWorkerAvailable, RouteLease, Router, WorkerHandle
@@ -32,6 +33,14 @@ from pdserve.wire import sampling_from_proto
 log = logging.getLogger(__name__)
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+# a stream that broke with one of these after its first token moves to another decode worker
+MIGRATABLE = {
+    *RETRYABLE,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.DATA_LOSS,
+}
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_REQUEST_ID = 128
@@ -89,6 +98,8 @@ class RequestPath:
         router: Router,
         max_attempts: int = 3,
         max_prompt_bytes: int = 1 << 20,
+        migration_limit: int = 3,
+        migration_max_tokens: int = 32768,
         tracer: trace.Tracer | None = None,
         metrics: GatewayMetrics | None = None,
     ) -> None:
@@ -96,6 +107,8 @@ class RequestPath:
         self.model_name = model_name
         self.router = router
         self.max_attempts = max_attempts
+        self.migration_limit = migration_limit
+        self.migration_max_tokens = migration_max_tokens
         self.max_prompt_bytes = max_prompt_bytes
         self.tracer = tracer or trace.NoOpTracer()
         self.metrics = metrics or GatewayMetrics()
@@ -183,56 +196,85 @@ class RequestPath:
             prompt_ids = await self.prompt_ids(req)
             span.set_attribute("pdserve.prompt_tokens", len(prompt_ids))
         out.prompt_tokens = len(prompt_ids)
-        detok = IncrementalDetokenizer(self.tokenizer.hf)
-        matcher = StopStringMatcher(req.stop)
-        usage = common_pb2.Usage(prompt_tokens=len(prompt_ids))
+        run = _Run(req, prompt_ids, IncrementalDetokenizer(self.tokenizer.hf), StopStringMatcher(req.stop))
         tried: set[str] = set()
-        last_error: RequestError | None = None
-        for attempt in range(self.max_attempts):
+        retries = 0
+        moved: _Retry | None = None  # the failure a migration is under way for
+        while True:
             with self.tracer.start_as_current_span("gateway.route") as span:
                 try:
-                    lease = self.router.pick(tried, prompt_ids)
+                    lease = self.router.pick(tried, run.token_ids)
                 except NoWorkerAvailable as e:
-                    raise last_error or RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+                    if moved is not None:
+                        raise self._not_moved(moved, run, f"{e} to move it to") from None
+                    raise run.last_error or RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
                 decode, prefill = lease.decode, lease.prefill
                 span.set_attributes(
                     {
                         "pdserve.decode": decode.address,
                         "pdserve.prefill": prefill.address if prefill else "",
-                        "pdserve.attempt": attempt,
+                        "pdserve.attempt": retries + len(run.moves),
                     }
+                )
+            if moved is not None:
+                out.migrated(moved.reason, moved.culprit, decode.address, len(run.generated), len(run.token_ids))
+                log.warning(
+                    "request %s: %s; moving it to %s after %d tokens",
+                    req.request_id,
+                    moved.error.message,
+                    decode.address,
+                    len(run.generated),
                 )
             out.routed(decode.address, prefill.address if prefill else "")
             try:
                 with lease:
-                    async for delta in self._stream(req, prompt_ids, lease, detok, matcher, usage, out):
+                    async for delta in self._stream(run, lease, out):
                         yield delta
                 return
             except _Retry as retry:
-                out.retried()
                 tried.add(retry.culprit)
-                last_error = retry.error
+                run.last_error = retry.error
+                moved = None
+                if run.generated:  # tokens were streamed: the rest comes from another decode worker, or nothing
+                    if len(run.moves) >= self.migration_limit or len(run.token_ids) > self.migration_max_tokens:
+                        raise self._not_moved(retry, run) from None
+                    run.moves.append(retry.culprit)
+                    moved = retry
+                    continue
+                retries += 1
+                out.retried()
+                if retries >= self.max_attempts:
+                    raise retry.error from None
                 log.warning("request %s: %s; retrying elsewhere", req.request_id, retry.error.message)
-        raise last_error or RequestError(grpc.StatusCode.UNAVAILABLE, "no worker could serve the request")
 
-    async def _stream(
-        self,
-        req: GenerationRequest,
-        prompt_ids: list[int],
-        lease: RouteLease,
-        detok: IncrementalDetokenizer,
-        matcher: StopStringMatcher,
-        usage: common_pb2.Usage,
-        out: RequestWatch,
-    ) -> AsyncIterator[Delta]:
+    def _not_moved(self, retry: _Retry, run: _Run, why: str = "") -> RequestError:
+        """The error a request ends with when its stream broke and it cannot move (again)."""
+        if not why:
+            if self.migration_limit == 0:
+                return retry.error
+            if len(run.moves) >= self.migration_limit:
+                why = f"it moved {len(run.moves)} times already (--migration-limit {self.migration_limit})"
+            else:
+                why = (
+                    f"moving it would prefill {len(run.token_ids)} tokens again "
+                    f"(--migration-max-tokens {self.migration_max_tokens})"
+                )
+        tried = ", ".join(dict.fromkeys(run.moves or [retry.culprit]))
+        return RequestError(retry.error.code, f"{retry.error.message}; not moved: {why} (workers tried: {tried})")
+
+    async def _stream(self, run: _Run, lease: RouteLease, out: RequestWatch) -> AsyncIterator[Delta]:
+        """One decode stream: the prompt, plus (after a migration) the tokens other workers generated, which
+        the worker counts as output, so max_tokens, penalties and seeded draws carry on where they stopped."""
+        req, usage, detok, matcher = run.req, run.usage, run.detok, run.matcher
         decode, prefill = lease.decode, lease.prefill
         timeout = None if req.deadline is None else max(0.0, req.deadline - time.monotonic())
         call = decode.stub.Decode(
             worker_pb2.DecodeRequest(
                 request_id=req.request_id,
-                prompt_token_ids=prompt_ids,
+                prompt_token_ids=run.token_ids,
                 sampling=req.sampling,
                 prefill_address=prefill.address if prefill else "",
+                num_prompt_tokens=len(run.prompt_ids) if run.generated else 0,
             ),
             timeout=timeout,
         )
@@ -241,11 +283,13 @@ class RequestPath:
         try:
             async for resp in call:
                 if not streamed:
-                    usage.cached_prompt_tokens = resp.cached_prompt_tokens
+                    if not run.moves:
+                        usage.cached_prompt_tokens = resp.cached_prompt_tokens
                     stream_id = resp.stream_id
                 lease.prefilled()
                 streamed = True
                 usage.completion_tokens += len(resp.token_ids)
+                run.generated.extend(resp.token_ids)
                 text = matcher.feed(detok.add(resp.token_ids))
                 finish = FINISH.get(resp.finish_reason)
                 if matcher.stopped and not finish:  # a stop string: the worker ends the stream as finished
@@ -264,7 +308,7 @@ class RequestPath:
                 grpc.StatusCode.INTERNAL, f"decode worker {decode.address} ended the stream without a finish reason"
             )
         except grpc.aio.AioRpcError as e:
-            raise self._failure(e, decode, prefill, streamed) from None
+            raise self._failure(e, decode, prefill, streamed, bool(run.generated)) from None
         finally:
             call.cancel()  # the worker stops generating (and its client span ends) as soon as we are done
 
@@ -290,9 +334,15 @@ class RequestPath:
             pass
 
     def _failure(
-        self, e: grpc.aio.AioRpcError, decode: WorkerHandle, prefill: WorkerHandle | None, streamed: bool
+        self,
+        e: grpc.aio.AioRpcError,
+        decode: WorkerHandle,
+        prefill: WorkerHandle | None,
+        streamed: bool,
+        generated: bool,
     ) -> Exception:
-        """A RequestError naming the worker that failed; a _Retry when another worker could serve it instead."""
+        """A RequestError naming the worker that failed; a _Retry when another worker could serve it instead
+        (`generated`: tokens were already streamed, on this worker or an earlier one: a migration)."""
         code = e.code()
         meta = {k: v for k, v in (e.trailing_metadata() or ())}
         party = meta.get(FAILED_PARTY, "decode")
@@ -300,7 +350,7 @@ class RequestPath:
         if code == grpc.StatusCode.PERMISSION_DENIED and party == "prefill" and prefill is not None and not streamed:
             # this decode worker does not (yet) know that prefill worker (a pod that just scaled up): another
             # prefill worker can serve the request; the worker is not down
-            return _Retry(RequestError(code, e.details() or code.name), address)
+            return _Retry(RequestError(code, e.details() or code.name), address, "prefill_refused" if generated else "")
         if code in (
             grpc.StatusCode.INVALID_ARGUMENT,
             grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -311,17 +361,46 @@ class RequestPath:
             return RequestError(code, e.details() or code.name, meta.get(INVALID_PARAMETER))
         where = "mid-stream" if streamed else "before the first token"
         error = RequestError(code, f"{party} worker {address} failed {where}: {e.details() or code.name}")
+        handed_back = HANDED_BACK in meta
+        if code == grpc.StatusCode.UNAVAILABLE and not handed_back:
+            self.router.mark_down(address)
+        if generated:
+            if code not in MIGRATABLE or self.migration_limit == 0:
+                return error
+            return _Retry(error, address, "drain" if handed_back else code.name.lower())
         if streamed or code not in RETRYABLE:
             return error
-        if code == grpc.StatusCode.UNAVAILABLE:
-            self.router.mark_down(address)
         return _Retry(error, address)
 
 
+@dataclass
+class _Run:
+    """What one request has produced so far, across every worker it ran on: a migration resubmits
+    `token_ids` and carries on detokenizing and matching stop strings where the broken stream stopped."""
+
+    req: GenerationRequest
+    prompt_ids: list[int]
+    detok: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    generated: list[int] = field(default_factory=list)
+    moves: list[str] = field(default_factory=list)  # the decode workers it was moved away from, in order
+    last_error: RequestError | None = None
+    usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)
+
+    def __post_init__(self) -> None:
+        self.usage.prompt_tokens = len(self.prompt_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+
 class _Retry(Exception):
-    def __init__(self, error: RequestError, culprit: str) -> None:
+    """Another worker can take the request; `reason` is set when it already streamed (a migration)."""
+
+    def __init__(self, error: RequestError, culprit: str, reason: str = "") -> None:
         super().__init__(error.message)
-        self.error, self.culprit = error, culprit
+        self.error, self.culprit, self.reason = error, culprit, reason
 
 
 async def _consume(call) -> None:

@@ -109,6 +109,8 @@ async def serve(
     kv_aware: bool = True,
     overlap_weight: float = 1.0,
     http_limits: HTTPLimits | None = None,
+    migration_limit: int = 3,
+    migration_max_tokens: int = 32768,
 ) -> tuple[RunningServer, Router, RequestPath, HTTPServer | None]:
     """Bind the public ports first (a busy port fails at once), wait for workers, then say SERVING. With
     `http_port` >= 0 the OpenAI-compatible HTTP API is served too, on the same request path."""
@@ -126,7 +128,14 @@ async def serve(
         model=model_dir.name,
     )
     path = RequestPath(
-        tokenizer, model_dir.name, router, max_prompt_bytes=max_prompt_bytes, tracer=tracing.tracer, metrics=metrics
+        tokenizer,
+        model_dir.name,
+        router,
+        max_prompt_bytes=max_prompt_bytes,
+        migration_limit=migration_limit,
+        migration_max_tokens=migration_max_tokens,
+        tracer=tracing.tracer,
+        metrics=metrics,
     )
     path.metrics.bind_router(router.counts, router.indexed)
     interceptors = [*tracing.server_interceptors(), *([ApiKeyInterceptor(api_key)] if api_key else [])]

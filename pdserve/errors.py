@@ -22,6 +22,10 @@ class WorkerClosing(RuntimeError):
     """The worker is draining and takes no new requests."""
 
 
+class HandedBack(RuntimeError):
+    """A draining worker ends a stream unfinished, for the gateway to move to another worker."""
+
+
 class QueueFull(RuntimeError):
     """Too many requests already wait at this worker."""
 
@@ -38,6 +42,7 @@ STATUS: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (PoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (WorkerClosing, grpc.StatusCode.UNAVAILABLE),
+    (HandedBack, grpc.StatusCode.UNAVAILABLE),
     (EngineStopped, grpc.StatusCode.UNAVAILABLE),
     (TransferError, grpc.StatusCode.UNAVAILABLE),
     (SamplingError, grpc.StatusCode.INTERNAL),

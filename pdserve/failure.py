@@ -2,6 +2,7 @@
 
 FAILED_PARTY = "pdserve-failed-party"  # "decode" or "prefill"
 FAILED_ADDRESS = "pdserve-failed-address"  # host:port of that worker
+HANDED_BACK = "pdserve-handed-back"  # a draining worker gave the stream back unfinished, for the gateway to move
 INVALID_PARAMETER = "pdserve-invalid-parameter"  # with INVALID_ARGUMENT: the request parameter at fault
 
 

@@ -95,10 +95,7 @@ class PrefillWorker:
         self._unsubscribe()
 
     def check(self, job: PrefillJob) -> None:
-        n = len(job.token_ids)
-        self.core.check(job.token_ids, job.params, new_tokens=1)
-        if not 0 < job.num_prompt_tokens <= n:
-            raise InvalidParameter("num_prompt_tokens", "num_prompt_tokens must be in [1, len(token_ids)]")
+        self.core.check(job.token_ids, job.params, new_tokens=1, num_prompt_tokens=job.num_prompt_tokens)
         if not 0 < len(job.transfer_id) <= 128 or not job.transfer_secret:
             raise InvalidParameter("kv_target", "kv_target needs a transfer_id (1..128 characters) and a secret")
         if job.layout_fingerprint != self.layout.fingerprint:

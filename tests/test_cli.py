@@ -65,11 +65,15 @@ def test_version():
         (["up", "--kv-cache-memory", "1T"], "memory free here"),
         (["up", "--max-model-len", "0"], "--max-model-len must be >= 1"),
         (["generate", "--local", "--max-tokens", "0", "hi"], "max_tokens"),
+        (["gateway", "--decode", "x:1", "--migration-limit", "-1"], "--migration-limit: -1 is negative"),
+        (["decode", "--drain-grace", "soon"], "--drain-grace: 'soon' is not a number of seconds"),
     ],
 )
 def test_bad_configuration_is_one_line_before_anything_starts(argv, needle):
     proc = run(*argv)
-    if "not a size" in needle:  # argparse's own usage error: exit 2, usage plus one error line
+    if any(
+        w in needle for w in ("not a size", "is negative", "not a number")
+    ):  # argparse's own usage error: exit 2, usage plus one error line
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr
         return
     assert_one_line_error(proc, needle)

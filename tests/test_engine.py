@@ -144,3 +144,45 @@ def test_rejects_bad_requests(tiny_model_dir, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         engine.add_request(prompt, params)
     assert not engine.has_work
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        GREEDY,
+        SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7, frequency_penalty=0.5, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.8, seed=3, repetition_penalty=1.3, presence_penalty=0.4),
+    ],
+    ids=["greedy", "seeded-penalties", "seeded-repetition"],
+)
+def test_a_moved_sequence_continues_where_it_stopped(tiny_model_dir, params):
+    """What a migration relies on: prompt + the first k outputs, resubmitted with `num_prompt_tokens` at the
+    prompt's end on another engine, yields exactly the rest of an unbroken run (seeded draws depend on the
+    output position, penalties count the outputs already made, max_tokens counts them too)."""
+    from pdserve.engine.sequence import Sequence
+
+    prompts = _prompts(4, seed=5)
+    whole = _engine(tiny_model_dir, num_blocks=256, block_size=4).generate(prompts, params)
+    other = _engine(tiny_model_dir, num_blocks=256, block_size=4)
+    for k, (prompt, out) in zip((1, 5, 11, 23), zip(prompts, whole)):
+        k = min(k, len(out) - 1)
+        seq = Sequence("moved", prompt + out[:k], params, num_prompt_tokens=len(prompt))
+        other.check(seq.token_ids, params, num_prompt_tokens=len(prompt))
+        other.add(seq)
+        while other.has_work:
+            other.step()
+        assert seq.output_ids == out, (k, seq.output_ids, out)
+    assert other.allocator.num_used_blocks == 0
+
+
+def test_check_counts_the_tokens_already_generated(tiny_model_dir):
+    engine = _engine(tiny_model_dir, num_blocks=256, block_size=4)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    engine.check(list(range(3, 20)), params, num_prompt_tokens=10)  # 7 generated, 1 to go
+    from pdserve.engine.sampling_params import InvalidParameter
+
+    with pytest.raises(InvalidParameter, match="nothing is left of max_tokens") as err:
+        engine.check(list(range(3, 20)), params, num_prompt_tokens=9)  # 8 generated: done already
+    assert err.value.param == "num_prompt_tokens"
+    with pytest.raises(InvalidParameter, match="num_prompt_tokens must be in"):
+        engine.check(list(range(3, 20)), params, num_prompt_tokens=0)

@@ -60,13 +60,15 @@ async def test_kill_stop_and_restart_under_load():
         addresses = [*stack.prefill, *stack.decode]
         report = {}
 
-        # 1. a prefill worker is killed mid-load; the other one takes its prompts
+        # 1. a prefill worker is killed mid-load, some of its prompts mid-transfer into reserved decode blocks:
+        # each is retried on the other prefill worker (the decode side frees the reservation and reserves anew)
         load = asyncio.ensure_future(_load(stack.gateway, 24, 8, seed=1))
         await asyncio.sleep(3)
         victim = procs[stack.prefill[0]]
         victim.send_signal(signal.SIGKILL)
         victim.wait(30)
         report["prefill killed"] = _check(await load, addresses)
+        assert report["prefill killed"][1] == 0, "prompts of the killed prefill worker should have been retried"
 
         # 2. it comes back on the same port; the gateway routes to it again
         restarted = subprocess.Popen(victim.args, env=service_env())
@@ -83,7 +85,7 @@ async def test_kill_stop_and_restart_under_load():
         os.kill(frozen.pid, signal.SIGCONT)
         report["decode stopped and resumed"] = _check(await load, addresses)
 
-        # 4. a decode worker is killed while it streams; its streams end UNAVAILABLE naming it, the rest finish
+        # 4. a decode worker is killed while it streams; its streams move to the other one (migration)
         load = asyncio.ensure_future(_load(stack.gateway, 24, 8, seed=4))
         busy = None
         for _ in range(600):
@@ -95,7 +97,7 @@ async def test_kill_stop_and_restart_under_load():
         procs[busy].send_signal(signal.SIGKILL)
         procs[busy].wait(30)
         report["decode killed"] = _check(await load, addresses)
-        assert report["decode killed"][1] >= 1, "the killed worker's streams should have failed, by name"
+        assert report["decode killed"][1] == 0, "the killed worker's streams should have moved, not failed"
 
         survivors = [a for a in [*stack.prefill, *stack.decode] if a != busy]
         for address in survivors:

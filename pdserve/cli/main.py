@@ -25,10 +25,12 @@ from pdserve.cli.clients import cmd_bench, cmd_generate, cmd_health, cmd_traces
 from pdserve.cli.errors import CLIError
 from pdserve.cli.options import (
     DecodeOptions,
+    DrainOptions,
     EngineOptions,
     GatewayOptions,
     HTTPOptions,
     LocalPrefillOptions,
+    MigrationOptions,
     ObservabilityOptions,
     QueueOptions,
     RoutingOptions,
@@ -180,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     up = command("up", "start gateway + prefill + decode workers on this machine (runs in the foreground)")
     add_options(up, EngineOptions)
     _server_args(up, 50051, 9400)
-    for options in (UpOptions, HTTPOptions, RoutingOptions, LocalPrefillOptions):
+    for options in (UpOptions, HTTPOptions, RoutingOptions, MigrationOptions, LocalPrefillOptions):
         add_options(up, options)
     _api_key_arg(up, server=True)
 
@@ -192,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serving another model are not routed to",
     )
     _server_args(gw, 50051, 9400)
-    for gateway_options in (GatewayOptions, RoutingOptions, HTTPOptions):
+    for gateway_options in (GatewayOptions, RoutingOptions, MigrationOptions, HTTPOptions):
         add_options(gw, gateway_options)
     _api_key_arg(gw, server=True)
 
@@ -216,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
             add_options(w, LocalPrefillOptions)
         if role != "prefill":
             add_options(w, QueueOptions)
+            add_options(w, DrainOptions)
 
     tr = command("traces", "receive OTLP/HTTP traces and print each request's span tree")
     tr.add_argument("--host", default="127.0.0.1", help="address to listen on")

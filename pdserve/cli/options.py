@@ -30,6 +30,28 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a size (e.g. 512M, 2G)") from None
 
 
+def parse_count(text: str) -> int:
+    """'3' -> 3; a negative number or a non-number is refused by name."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative") from None
+    return value
+
+
+def parse_seconds(text: str) -> float:
+    """'5', '0.5' -> seconds; negative or not a number is refused by name."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a non-negative number of seconds") from None
+    return value
+
+
 def parse_port_range(text: str) -> str:
     """'20000-20099' (or one port) -> itself, checked."""
     lo, _, hi = text.strip().partition("-")
@@ -294,6 +316,33 @@ class DecodeOptions:
         "torch threads while a prefill worker computes prompts "
         "for this worker (default: --threads throughout); for a prefill "
         "worker on the same cores",
+    )
+
+
+@dataclass
+class MigrationOptions:
+    """What the gateway does when a decode stream breaks after its first token."""
+
+    migration_limit: int = option(
+        3,
+        "times a stream may move to another decode worker after its first token when its worker dies or "
+        "drains (prompt and tokens so far are resubmitted; 0: the stream fails, naming the worker)",
+        parse=parse_count,
+    )
+    migration_max_tokens: int = option(
+        32768,
+        "a stream moves only while its prompt plus the tokens generated so far, all prefilled again, fit this",
+        parse=parse_count,
+    )
+
+
+@dataclass
+class DrainOptions:
+    drain_grace: float = option(
+        5.0,
+        "on SIGTERM: seconds the streams in flight get to finish; the rest are handed back to the gateway, "
+        "which moves them to other decode workers",
+        parse=parse_seconds,
     )
 
 

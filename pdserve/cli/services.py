@@ -336,7 +336,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
             from pdserve.kvtransfer.backends import shutdown_transports
 
             await worker.close()  # new requests are refused by name; those in flight finish
-            await running.server.stop(grace=30)
+            if args.command == "prefill":
+                await running.server.stop(grace=30)
+            else:
+                from pdserve.decode_service.server import drain
+
+                await drain(running, worker, args.drain_grace)  # type: ignore[arg-type]
             await worker.stop()
             if clients is not None:
                 await clients.close()
@@ -393,6 +398,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             http_port=args.http_port,
             kv_aware=args.routing == "kv-aware",
             overlap_weight=args.overlap_weight,
+            migration_limit=args.migration_limit,
+            migration_max_tokens=args.migration_max_tokens,
         )
         metrics = _metrics_server(args, gateway_metrics.registry, tls is not None or bool(args.api_key))
         print(

@@ -26,6 +26,7 @@ from pdserve.cli.options import (
     EngineOptions,
     HTTPOptions,
     LocalPrefillOptions,
+    MigrationOptions,
     ObservabilityOptions,
     RoutingOptions,
     TLSOptions,
@@ -184,6 +185,7 @@ def plan_stack(args: argparse.Namespace) -> StackPlan:
             *secure,
             *to_argv(http),
             *to_argv(from_args(RoutingOptions, args)),
+            *to_argv(from_args(MigrationOptions, args)),
         ],
         {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None,
     )  # not on argv: ps shows it
