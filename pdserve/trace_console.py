@@ -30,6 +30,7 @@ class ReceivedSpan:
     start_ns: int
     end_ns: int
     attributes: dict = field(default_factory=dict)
+    events: list[tuple[int, str, dict]] = field(default_factory=list)  # (time ns, name, attributes)
 
 
 def _value(v):
@@ -97,6 +98,10 @@ class OTLPReceiver:
                             s.start_time_unix_nano,
                             s.end_time_unix_nano,
                             {a.key: _value(a.value) for a in s.attributes},
+                            [
+                                (e.time_unix_nano, e.name, {a.key: _value(a.value) for a in e.attributes})
+                                for e in s.events
+                            ],
                         )
                     )
         with self._lock:
@@ -147,6 +152,9 @@ def format_tree(spans: list[ReceivedSpan]) -> str:
                 f"{(s.start_ns - t0) / 1e6:9.1f} ms {(s.end_ns - s.start_ns) / 1e6:9.1f} ms  "
                 f"{'  ' * depth}{s.name} [{s.service}] {attrs}".rstrip()
             )
+            for at, name, attributes in s.events:
+                fields = " ".join(f"{k.split('.', 1)[-1]}={_short(v)}" for k, v in attributes.items())
+                lines.append(f"{(at - t0) / 1e6:9.1f} ms {'':>12} {'  ' * (depth + 1)}* {name} {fields}".rstrip())
             walk(s.span_id, depth + 1)
 
     walk("", 0)

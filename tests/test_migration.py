@@ -5,6 +5,7 @@ uninterrupted stream, token for token what an unbroken run gives, greedy or seed
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -146,19 +147,41 @@ def _proc(stack: Stack, address: str) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def stack():
-    # no drain grace: every stream in flight is handed back, so the test sees the migration path every time
-    stack = start_stack(decode_workers=2, prefill_workers=1, decode_extra=["--drain-grace", "0"])
-    yield stack
-    metrics = scrape(stack.metrics["gateway"])
-    stall = [metrics.get((f"pdserve_gateway_migration_stall_seconds_{k}", frozenset()), 0) for k in ("sum", "count")]
-    if stall[1]:
-        print(f"\nmigrations: {stall[1]:.0f} streams moved; mean stall {stall[0] / stall[1]:.3f} s")
-    stack.stop()
+def observed(tmp_path_factory):
+    """(stack, OTLP receiver, log dir): no drain grace, so a drained worker hands back every stream and the test
+    sees the migration path every time."""
+    from pdserve.trace_console import OTLPReceiver
+
+    logs = tmp_path_factory.mktemp("migration-logs")
+    with OTLPReceiver() as otlp:
+        stack = start_stack(
+            decode_workers=2,
+            prefill_workers=1,
+            decode_extra=["--drain-grace", "0"],
+            observe=["--otlp-endpoint", otlp.endpoint],
+            log_dir=logs,
+            env={"OTEL_BSP_SCHEDULE_DELAY": "100", "PDSERVE_LOG_LEVEL": "INFO", "PDSERVE_LOG_FORMAT": "json"},
+        )
+        try:
+            yield stack, otlp, logs
+            metrics = scrape(stack.metrics["gateway"])
+            stall = [
+                metrics.get((f"pdserve_gateway_migration_stall_seconds_{k}", frozenset()), 0) for k in ("sum", "count")
+            ]
+            if stall[1]:
+                print(f"\nmigrations: {stall[1]:.0f} streams moved; mean stall {stall[0] / stall[1]:.3f} s")
+        finally:
+            stack.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(observed):
+    return observed[0]
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
-async def test_killing_the_busiest_decode_worker_loses_no_stream(stack, seeded):
+async def test_killing_the_busiest_decode_worker_loses_no_stream(observed, seeded):
+    stack, otlp, logs = observed
     reference = await _reference(stack.gateway, seeded)
     before = _migrations(stack)
     streams = _Streams(stack.gateway, seeded)
@@ -167,10 +190,25 @@ async def test_killing_the_busiest_decode_worker_loses_no_stream(stack, seeded):
     _proc(stack, victim).send_signal(signal.SIGKILL)
     results = await streams.results()
     _exact(results, reference)
-    assert _migrations(stack) - before >= 1
+    moved = _migrations(stack) - before
+    assert moved >= 1
     survivor = next(a for a in stack.decode if a != victim)
     await _idle(stack, survivor)
     _restart(stack, victim)
+    # the trace says where each moved stream went, and the request log line how often it moved
+    events = otlp.wait_for(
+        lambda spans: (
+            sum(1 for s in spans for e in s.events if e[1] == "pdserve.migrated" and e[2]["pdserve.from"] == victim)
+            >= moved
+        )
+    )
+    for span in events:
+        for _, name, attrs in span.events:
+            if name == "pdserve.migrated" and attrs["pdserve.from"] == victim:
+                assert attrs["pdserve.to"] == survivor and attrs["pdserve.generated_tokens"] >= 3
+                assert span.name == "/pdserve.v1.Generation/Generate" and span.attributes["pdserve.migrations"] >= 1
+    lines = [json.loads(line) for line in (logs / "gateway.log").read_text().splitlines() if line.startswith("{")]
+    assert sum(1 for line in lines if line.get("migrations", 0) >= 1) >= moved
 
 
 async def test_a_rolling_restart_of_every_decode_worker_fails_nothing(stack):
