@@ -15,38 +15,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import statistics
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.benchmarks.compare import free_port
+from pdserve.benchmarks.local_stack import LocalStack
 from pdserve.client import Client
 from pdserve.protos import worker_pb2, worker_pb2_grpc
 
 PROMPTS = [f"Story {i}: the lighthouse keeper opened the door and" for i in range(64)]
-
-
-def _serving(address: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.3)
-    raise TimeoutError(f"{address} not serving after {timeout:.0f}s")
 
 
 def _running(address: str) -> int:
@@ -63,42 +44,6 @@ def _stall(metrics_url: str) -> tuple[float, float]:
             if line.startswith(f"pdserve_gateway_migration_stall_seconds_{key} "):
                 found[key] = float(line.split()[-1])
     return found.get("sum", 0.0), found.get("count", 0.0)
-
-
-class Stack:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.exe = [sys.executable, "-m", "pdserve.cli"]
-        self.env = {**os.environ, "UCX_NET_DEVICES": "lo", "PDSERVE_LOG_LEVEL": "WARNING", "PDSERVE_HTTP_PORT": "-1"}
-        common = ["--dtype", args.dtype, "--threads", str(args.threads), "--kv-cache-memory", "256M"]
-        self.prefill = f"127.0.0.1:{free_port()}"
-        self.decode = [f"127.0.0.1:{free_port()}" for _ in range(2)]
-        self.gateway = f"127.0.0.1:{free_port()}"
-        metrics_port = free_port()
-        self.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-        self.argv = {self.prefill: ["prefill", "--port", self.prefill.split(":")[1], *common]}
-        for d in self.decode:
-            self.argv[d] = ["decode", "--port", d.split(":")[1], *common, "--drain-grace", str(args.drain_grace)]
-            self.argv[d] += ["--local-prefill-max-tokens", "0"]
-        self.argv[self.gateway] = ["gateway", "--port", self.gateway.split(":")[1], "--prefill", self.prefill]
-        self.argv[self.gateway] += ["--decode", ",".join(self.decode), "--metrics-port", str(metrics_port)]
-        self.procs: dict[str, subprocess.Popen] = {}
-        for address in self.argv:
-            self.start(address)
-
-    def start(self, address: str) -> None:
-        argv = self.argv[address] + ([] if address == self.gateway else ["--metrics-port", "-1"])
-        self.procs[address] = subprocess.Popen([*self.exe, *argv], env=self.env)
-        _serving(address, self.procs[address])
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 async def _streams(gateway: str, n: int, max_tokens: int, on_started=None) -> list[dict]:
@@ -129,7 +74,7 @@ async def _streams(gateway: str, n: int, max_tokens: int, on_started=None) -> li
         return await asyncio.gather(*tasks)
 
 
-def run_event(stack: Stack, event: str, args: argparse.Namespace) -> dict:
+def run_event(stack: LocalStack, event: str, args: argparse.Namespace) -> dict:
     reference = asyncio.run(_streams(stack.gateway, args.streams, args.max_tokens))
     before = _stall(stack.metrics)
     timing: dict[str, float] = {}
@@ -175,7 +120,8 @@ def main() -> None:
     p.add_argument("--drain-grace", type=float, default=0.0, help="the decode workers' --drain-grace")
     p.add_argument("--out", type=Path, default=None, help="append one JSON line per event here")
     args = p.parse_args()
-    stack = Stack(args)
+    common = ["--dtype", args.dtype, "--threads", str(args.threads), "--kv-cache-memory", "256M"]
+    stack = LocalStack(1, 2, common, ["--drain-grace", str(args.drain_grace), "--local-prefill-max-tokens", "0"])
     try:
         for event in args.event:
             row = run_event(stack, event, args)

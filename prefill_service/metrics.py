@@ -50,11 +50,17 @@ class PrefillMetrics:
         self.running = Gauge("pdserve_prefill_requests_running", "Prompts being computed or transferred.", registry=r)
         self.waiting = Gauge("pdserve_prefill_requests_waiting", "Prompts queued.", registry=r)
         self.kv_blocks = Gauge("pdserve_prefill_kv_blocks", "KV blocks by state.", ["state"], registry=r)
+        self.queued_tokens = Gauge(
+            "pdserve_prefill_queued_tokens",
+            "Prompt tokens still to compute (queued or part-way): the load signal prefill autoscaling follows.",
+            registry=r,
+        )
 
     def bind_state(self, running: Callable[[], int], stats: Callable[[], EngineStats]) -> None:
         """Read gauges from the worker and its engine's stats at scrape time, so the hot path never updates them."""
         self.running.set_function(running)
         self.waiting.set_function(lambda: stats().waiting)
+        self.queued_tokens.set_function(lambda: (s := stats()).queued_tokens + s.prefilling_tokens)
         self.kv_blocks.labels("used").set_function(lambda: stats().kv_blocks_used)
         self.kv_blocks.labels("cached").set_function(lambda: stats().kv_blocks_evictable)
         self.kv_blocks.labels("free").set_function(

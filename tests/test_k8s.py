@@ -284,3 +284,41 @@ def test_network_policies_let_through_exactly_what_pdserve_dials():
     assert not _allowed(policies["prefill"], None, prefill.port), "strangers do not reach the workers"
     for role in ROLES:
         assert _allowed(policies[role], None, 9400)
+
+
+def test_autoscaling_scales_each_role_on_a_metric_its_workers_export(tmp_path):
+    """The autoscaling component: valid HPAs on the prefill and decode Deployments, each on a per-pod metric that
+    the role's own /metrics has and that the Prometheus adapter's rules serve; decode scales down slowly."""
+    import kubernetes_validate
+
+    from pdserve.decode_service.metrics import DecodeMetrics
+    from pdserve.prefill_service.metrics import PrefillMetrics
+
+    root = tmp_path / "k8s"
+    shutil.copytree(K8S, root)
+    mine = root / "overlays" / "autoscaled"
+    mine.mkdir()
+    (mine / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: pdserve\n"
+        "resources: [../cpu]\ncomponents: [../../components/autoscaling]\n"
+    )
+    objs = render("autoscaled", root)
+    for o in objs:
+        kubernetes_validate.validate(o, KUBERNETES_VERSION, strict=True)
+    deployments, hpas = by_kind(objs, "Deployment"), by_kind(objs, "HorizontalPodAutoscaler")
+    rules = yaml.safe_load(by_kind(objs, "ConfigMap")["pdserve-prometheus-adapter-rules"]["data"]["config.yaml"])
+    served = {r["name"]["as"] for r in rules["rules"]}
+    exported = {
+        "prefill": {m.name for m in PrefillMetrics().registry.collect()},
+        "decode": {m.name for m in DecodeMetrics().registry.collect()},
+    }
+    assert set(hpas) == {"pdserve-prefill", "pdserve-decode"}
+    for name, hpa in hpas.items():
+        role = name.removeprefix("pdserve-")
+        assert hpa["spec"]["scaleTargetRef"]["name"] in deployments
+        assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+        for metric in hpa["spec"]["metrics"]:
+            metric_name = metric["pods"]["metric"]["name"]
+            assert metric_name in exported[role] and metric_name in served, metric_name
+    decode_down = hpas["pdserve-decode"]["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"]
+    assert decode_down >= hpas["pdserve-prefill"]["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"]

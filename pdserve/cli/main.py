@@ -38,6 +38,7 @@ from pdserve.cli.options import (
     UpOptions,
     add_options,
 )
+from pdserve.cli.planning import add_plan_arguments, cmd_plan, cmd_profile
 from pdserve.cli.services import cmd_gateway, cmd_worker
 from pdserve.cli.up import cmd_up
 from pdserve.engine.config import QUANTIZATIONS
@@ -239,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     hc.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     add_options(hc, TLSOptions)
 
+    prof = command("profile", "time this machine's prefill, decode and KV transfer steps; write a profile (JSON)")
+    add_options(prof, EngineOptions)
+    prof.add_argument("--out", type=Path, default=Path("profile.json"), help="where the profile goes")
+    prof.add_argument("--quick", action="store_true", help="a smaller grid: prompts up to 256 tokens, batches up to 8")
+
+    plan = command("plan", "simulate a workload on each prefill:decode split and recommend one")
+    add_plan_arguments(plan)
+
     gen = command("generate", "stream a completion")
     gen.add_argument("prompt")
     gen.add_argument("--address", default="127.0.0.1:50051", help="gateway host:port")
@@ -290,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         "traces": cmd_traces,
         "health": cmd_health,
         "bench": cmd_bench,
+        "profile": cmd_profile,
+        "plan": cmd_plan,
     }
     try:
         return handlers[args.command](args)
