@@ -174,18 +174,27 @@ def _references(pod: dict) -> dict[str, set[str]]:
     return refs
 
 
-def _custom_overlay(tmp_path: Path) -> Path:
-    """A copy of k8s/ with an overlay of a user's own: their model on a PVC, NetworkPolicies."""
+def _overlay(tmp_path: Path, name: str, body: str) -> Path:
+    """A copy of k8s/ with an overlay of a user's own on top of `cpu` (`body`: the rest of its kustomization)."""
     root = tmp_path / "k8s"
     shutil.copytree(K8S, root)
-    mine = root / "overlays" / "mine"
+    mine = root / "overlays" / name
     mine.mkdir()
     (mine / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: pdserve\n"
-        "resources: [../cpu]\ncomponents: [../../components/model-pvc, ../../components/networkpolicy]\n"
-        "configMapGenerator:\n  - {name: pdserve-model, behavior: replace, literals: [model=/models/Llama-3.2-1B]}\n"
+        "resources: [../cpu]\n" + body
     )
     return root
+
+
+def _custom_overlay(tmp_path: Path) -> Path:
+    """A user's own overlay: their model on a PVC, NetworkPolicies."""
+    return _overlay(
+        tmp_path,
+        "mine",
+        "components: [../../components/model-pvc, ../../components/networkpolicy]\n"
+        "configMapGenerator:\n  - {name: pdserve-model, behavior: replace, literals: [model=/models/Llama-3.2-1B]}\n",
+    )
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu", "secure", "mine"])
@@ -294,15 +303,7 @@ def test_autoscaling_scales_each_role_on_a_metric_its_workers_export(tmp_path):
     from pdserve.decode_service.metrics import DecodeMetrics
     from pdserve.prefill_service.metrics import PrefillMetrics
 
-    root = tmp_path / "k8s"
-    shutil.copytree(K8S, root)
-    mine = root / "overlays" / "autoscaled"
-    mine.mkdir()
-    (mine / "kustomization.yaml").write_text(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: pdserve\n"
-        "resources: [../cpu]\ncomponents: [../../components/autoscaling]\n"
-    )
-    objs = render("autoscaled", root)
+    objs = render("autoscaled", _overlay(tmp_path, "autoscaled", "components: [../../components/autoscaling]\n"))
     for o in objs:
         kubernetes_validate.validate(o, KUBERNETES_VERSION, strict=True)
     deployments, hpas = by_kind(objs, "Deployment"), by_kind(objs, "HorizontalPodAutoscaler")
