@@ -9,8 +9,9 @@ worker one transfer later, which is when the first token streams; a colocated wo
 decode batch under the same budget, as `engine/scheduler.py` does.
 
 A running batch is held as a count, a sum of contexts and a heap of the step at which each row finishes, never as a
-list walked every step: a step costs O(log n) however large the batch, so thousands of workers and millions of
-requests simulate in seconds.
+list walked every step: a step costs O(log n) however large the batch. A stretch of decode-only steps, where the
+batch cannot change before its next row finishes, is one event (cut short, at the step in progress, when new work
+arrives), so the events follow the requests rather than the steps.
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ class _Engine:
         self.free_tokens = sim.profile.kv_capacity_tokens
         self.reserving: deque[tuple[int, _Engine | None]] = deque()
         self.assigned = 0  # requests routed here and not finished: the router's load figure
+        # decode-only stretches run as one event up to the next finish (`_start`); `gen` outdates a cut one's end
+        self.macro: tuple[float, float, float, int] | None = None  # (start, first step's cost, growth, steps)
+        self.gen = 0
 
     # ---- admission -------------------------------------------------------------------------------------------
 
@@ -147,8 +151,33 @@ class _Engine:
     # ---- steps -------------------------------------------------------------------------------------------------
 
     def kick(self) -> None:
-        if not self.busy and (self.prompts or self.rows or self.ready):
-            self._start()
+        if not self.busy:
+            if self.prompts or self.rows or self.ready:
+                self._start()
+        elif self.macro is not None:
+            self._cut()
+
+    def _cut(self) -> None:
+        """New work arrived during a run of decode-only steps: end the run with the step in progress, as a
+        step-by-step engine would take the work in at its next step."""
+        assert self.macro is not None
+        start, first, growth, steps = self.macro
+        now = self.sim.now
+
+        def end(j: int) -> float:  # when step j (from 0) of the run ends
+            return start + (j + 1) * first + growth * j * (j + 1) / 2
+
+        lo, hi = 0, steps - 1  # the first step that has not ended before now
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if end(mid) < now:
+                lo = mid + 1
+            else:
+                hi = mid
+        self.macro = None
+        if lo + 1 < steps:
+            self.gen += 1
+            self.sim.schedule(end(lo), self, ([], first, lo + 1, self.gen))
 
     def _start(self) -> None:
         sim, prof = self.sim, self.sim.profile
@@ -172,14 +201,29 @@ class _Engine:
             pairs += n * (job.done + (n + 1) / 2)
             budget -= n
             seqs += 1
-        seconds = prof.step.seconds(tokens + self.rows, seqs, self.context, pairs)
+        step = prof.step
+        total = int(tokens) + self.rows
+        base = sim.tokens_s[total] if total < len(sim.tokens_s) else step.tokens_s(total)
+        seconds = base + step.seq_s * seqs + step.context_s * self.context + step.pair_s * pairs
         self.busy = True
-        sim.schedule(sim.now + seconds, self, (chunks, seconds))
+        steps = 1
+        if sim.macro_steps and not chunks and not self.ready and self.finishing:
+            # nothing changes the batch until its next row finishes, unless new work comes (`_cut`): the steps
+            # until then cost `seconds` plus context_s * rows more each, as one event
+            steps = self.finishing[0][0] - self.step_index
+            growth = step.context_s * self.rows
+            if steps > 1:
+                self.macro = (sim.now, seconds, growth, steps)
+            seconds = steps * seconds + growth * steps * (steps - 1) / 2
+        sim.schedule(sim.now + seconds, self, (chunks, seconds, steps, self.gen))
 
-    def end_step(self, chunks: list[tuple[_Prefill, int]], seconds: float) -> None:
+    def end_step(self, chunks: list[tuple[_Prefill, int]], seconds: float, steps: int, gen: int) -> None:
+        if gen != self.gen:
+            return  # a run of steps that was cut short: its end is the one `_cut` scheduled
         sim = self.sim
-        self.step_index += 1
-        self.context += self.rows
+        self.macro = None
+        self.step_index += steps
+        self.context += self.rows * steps
         while self.finishing and self.finishing[0][0] <= self.step_index:
             _, index, offset = heapq.heappop(self.finishing)
             self.rows -= 1
@@ -201,12 +245,17 @@ class _Engine:
 
 
 class Simulation:
-    def __init__(self, profile: Profile, deployment: Deployment, requests: list[Request]) -> None:
+    def __init__(
+        self, profile: Profile, deployment: Deployment, requests: list[Request], macro_steps: bool = True
+    ) -> None:
+        """`macro_steps` False simulates every decode step as its own event (the reference the test compares
+        the runs of steps against)."""
         if deployment.decode < 1 or deployment.prefill < 0:
             raise ValueError("a deployment needs at least one decode (or colocated) worker")
         self.profile = profile
         self.deployment = deployment
         self.requests = requests
+        self.macro_steps = macro_steps
         self.now = 0.0
         self.first_token = [0.0] * len(requests)
         self.finish = [-1.0] * len(requests)
@@ -215,6 +264,9 @@ class Simulation:
         self._events: list[tuple[float, int, _Engine, object]] = []
         self._seq = 0
         self._rng = random.Random(0)
+        # the token-dependent part of a step's cost, by tokens in the forward: looked up, not interpolated, per step
+        most = profile.max_num_batched_tokens + profile.max_num_seqs
+        self.tokens_s = [profile.step.tokens_s(t) for t in range(most + 1)]
 
     def schedule(self, at: float, engine: _Engine, payload: object) -> None:
         self._seq += 1

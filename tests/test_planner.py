@@ -150,6 +150,20 @@ def test_workloads_and_traces(tmp_path):
     assert percentiles([3.0, 1.0, 2.0]) == {"p50": 2.0, "p90": 3.0, "p99": 3.0}
 
 
+@pytest.mark.parametrize("dep", [Deployment(0, 2), Deployment(1, 2), Deployment(2, 1, local_prefill_max_tokens=128)])
+def test_runs_of_decode_steps_as_one_event_give_the_step_by_step_timeline(dep):
+    """The simulator's shortcut (a decode-only stretch as one event, cut short when work arrives) changes no
+    request's first token or finish against simulating every step."""
+    prof = _profile(max_num_seqs=8, kv_capacity_tokens=20_000)
+    for seed in range(3):
+        reqs = workload.synthetic(5.0, 150, (20, 600), (1, 120), "bursty", seed=seed)
+        fast = Simulation(prof, dep, reqs).run()
+        slow = Simulation(prof, dep, reqs, macro_steps=False).run()
+        for f, s in zip(fast, slow):
+            assert math.isclose(f.first_token, s.first_token, rel_tol=1e-9, abs_tol=1e-9), (seed, f, s)
+            assert math.isclose(f.finish, s.finish, rel_tol=1e-9, abs_tol=1e-9), (seed, f, s)
+
+
 def test_a_big_deployment_simulates():
     """Hundreds of workers and a hundred thousand requests run through (routing by two random choices)."""
     reqs = workload.synthetic(1000.0, 100_000, (100, 300), (10, 30), seed=4)

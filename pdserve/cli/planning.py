@@ -71,6 +71,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             shape = {k: getattr(args, k) for k in ("rate", "arrival", "num_requests", "input_len", "output_len")}
     except (OSError, ValueError, KeyError) as e:
         raise CLIError(str(e)) from None
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise CLIError("--plot needs matplotlib: pip install 'pdserve[plan]' (or matplotlib)") from None
     slo = SLO(args.slo_ttft / 1000, args.slo_tpot / 1000)
     predictions = plan(prof, args.workers, requests, slo, args.local_prefill_max_tokens)
     if args.json:
