@@ -34,10 +34,9 @@ def _cache(num_blocks: int, random: bool) -> torch.Tensor:
     return t.normal_() if random else t.zero_()
 
 
-def _receiver(pipe, num_blocks: int) -> None:
-    """Serves pdserve receivers for both transports and a raw ucxx echo-ack endpoint."""
-    import ucxx
-
+def _receiver(pipe, layout: dict, transports: tuple[str, ...], raw: bool) -> None:
+    """Serves a pdserve receiver per transport (into a zeroed cache of `layout`) and, with `raw`, a raw ucxx
+    echo-ack endpoint; answers ("expect", transport, id, blocks) with "ready", ("stop",) with "stopped"."""
     from pdserve.kernels.kv_layout import KVLayout
     from pdserve.kvtransfer.backends import make_transport
     from pdserve.kvtransfer.receiver import KVReceiver
@@ -55,16 +54,22 @@ def _receiver(pipe, num_blocks: int) -> None:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        cache = _cache(num_blocks, random=False)
-        layout = KVLayout(**LAYOUT, num_blocks=num_blocks)
-        receivers = {name: await KVReceiver(cache, layout, make_transport(name)).start() for name in ("ucx", "tcp")}
-        raw = ucxx.create_listener(raw_handler)
+        lay = KVLayout(**layout)
+        cache = torch.zeros(lay.shape, dtype=lay.torch_dtype)
+        receivers = {name: await KVReceiver(cache, lay, make_transport(name)).start() for name in transports}
+        addresses: dict = {name: r.address for name, r in receivers.items()}
+        listener = None  # held for as long as this serves: a listener nobody holds is closed
+        if raw:
+            import ucxx
+
+            listener = ucxx.create_listener(raw_handler)
+            addresses["raw"] = listener.port
         commands: asyncio.Queue = asyncio.Queue()
         threading.Thread(
             target=lambda: [loop.call_soon_threadsafe(commands.put_nowait, pipe.recv()) for _ in iter(int, 1)],
             daemon=True,
         ).start()
-        pipe.send({name: r.address for name, r in receivers.items()} | {"raw": raw.port})
+        pipe.send(addresses)
         while True:
             cmd = await commands.get()
             if cmd[0] == "stop":
@@ -96,7 +101,25 @@ async def _raw_ucxx(port: int, nbytes: int, repeats: int) -> list[float]:
     return out[1:]
 
 
-async def _pdserve(sender, address: str, pipe, name: str, blocks: int, repeats: int) -> list[float]:
+def receiver_process(layout: dict, transports: tuple[str, ...], raw: bool = False):
+    """A spawned process serving `_receiver`: (process, pipe, addresses by transport, "raw" with `raw`)."""
+    ctx = mp.get_context("spawn")
+    pipe, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(child, layout, transports, raw), daemon=True)
+    proc.start()
+    child.close()  # the child's end lives in the child: if it dies, recv here fails instead of waiting forever
+    return proc, pipe, pipe.recv()
+
+
+def stop_receiver(proc, pipe) -> None:
+    pipe.send(("stop",))
+    pipe.recv()
+    proc.join(10)
+
+
+async def pdserve_seconds(sender, address: str, pipe, name: str, blocks: int, repeats: int) -> list[float]:
+    """Seconds of `repeats` transfers of `blocks` blocks (after one not counted), each one request: every layer
+    queued from a thread as the forward pass does, timed from the first layer to the receiver's acknowledgement."""
     out = []
     for r in range(repeats + 1):
         rid = f"{name}-{blocks}-{r}"
@@ -108,12 +131,12 @@ async def _pdserve(sender, address: str, pipe, name: str, blocks: int, repeats: 
         t0 = time.perf_counter()
 
         def push(rid: str = rid) -> None:
-            for layer in range(LAYOUT["num_layers"]):
+            for layer in range(sender.layout.num_layers):
                 sender.send_layer(rid, layer)
 
         await asyncio.to_thread(push)
-        stats = await sender.finish(rid)
-        out.append(stats.nbytes / (time.perf_counter() - t0) / 1e9)
+        await sender.finish(rid)
+        out.append(time.perf_counter() - t0)
     return out[1:]
 
 
@@ -146,11 +169,7 @@ def main() -> None:
     from pdserve.kvtransfer.sender import KVSender
 
     max_blocks = max(-(-t // LAYOUT["block_size"]) for t in args.tokens)
-    ctx = mp.get_context("spawn")
-    pipe, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(child, max_blocks), daemon=True)
-    proc.start()
-    addresses = pipe.recv()
+    proc, pipe, addresses = receiver_process({**LAYOUT, "num_blocks": max_blocks}, ("ucx", "tcp"), raw=True)
 
     async def run() -> list[dict]:
         cache = _cache(max_blocks, random=True)
@@ -171,9 +190,8 @@ def main() -> None:
                 "raw_ucxx": statistics.median(await _raw_ucxx(addresses["raw"], nbytes, args.repeats)),
             }
             for name, sender in senders.items():
-                row[f"pdserve_{name}"] = statistics.median(
-                    await _pdserve(sender, addresses[name], pipe, name, blocks, args.repeats)
-                )
+                seconds = await pdserve_seconds(sender, addresses[name], pipe, name, blocks, args.repeats)
+                row[f"pdserve_{name}"] = statistics.median(nbytes / t / 1e9 for t in seconds)
             row["ucx_over_raw"] = row["pdserve_ucx"] / row["raw_ucxx"]
             rows.append(row)
             print(
@@ -186,9 +204,7 @@ def main() -> None:
         return rows
 
     rows = asyncio.run(run())
-    pipe.send(("stop",))
-    pipe.recv()
-    proc.join(10)
+    stop_receiver(proc, pipe)
     from pdserve.kvtransfer.backends import shutdown_transports
 
     shutdown_transports()

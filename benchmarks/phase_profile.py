@@ -11,7 +11,6 @@ Bounded: a few minutes on 2 cores for a 135M model.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import random
 import statistics
 import sys
@@ -148,83 +147,36 @@ def _steps(engine: EngineCore, grid: Grid, tick: Callable[[str], None]) -> _Time
     return t
 
 
-def _transfer_receiver(conn, layout: dict, transport: str) -> None:
-    import torch
-
-    from pdserve.kernels.kv_layout import KVLayout
-    from pdserve.kvtransfer.backends import make_transport
-    from pdserve.kvtransfer.receiver import KVReceiver
-
-    async def main() -> None:
-        lay = KVLayout(**layout)
-        cache = torch.zeros(lay.shape, dtype=lay.torch_dtype)
-        receiver = await KVReceiver(cache, lay, make_transport(transport)).start()
-        conn.send(receiver.address)
-        loop = asyncio.get_running_loop()
-        while True:
-            cmd = await loop.run_in_executor(None, conn.recv)
-            if cmd is None:
-                break
-            receiver.expect(cmd[0], cmd[1], "profile")
-            conn.send("ready")
-        await receiver.close()
-
-    asyncio.run(main())
-
-
 def _transfer(engine: EngineCore, transport: str, repeats: int, tick: Callable[[str], None]) -> tuple[float, float]:
-    """(fixed seconds, bytes/s) of one request's KV transfer, fitted to a small and a large transfer."""
+    """(fixed seconds, bytes/s) of one request's KV transfer, fitted to a small and a large transfer (timed as
+    `benchmarks.kv_transfer` times them, into a receiver in another process)."""
     import dataclasses
 
+    from pdserve.benchmarks.kv_transfer import pdserve_seconds, receiver_process, stop_receiver
     from pdserve.kvtransfer.backends import make_transport, shutdown_transports
     from pdserve.kvtransfer.sender import KVSender
 
     layout = engine.layout
     small = 1
     large = max(small + 1, min(layout.num_blocks, 8192 // layout.block_size))
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    proc = ctx.Process(
-        target=_transfer_receiver,
-        args=(theirs, dataclasses.asdict(layout.with_blocks(large)), transport),
-        daemon=True,
-    )
-    proc.start()
+    proc, pipe, addresses = receiver_process(dataclasses.asdict(layout.with_blocks(large)), (transport,))
+
+    async def run() -> dict[int, float]:
+        sender = KVSender(engine.kv_cache, layout, make_transport(transport))
+        out: dict[int, float] = {}
+        try:
+            for blocks in (small, large):
+                seconds = await pdserve_seconds(sender, addresses[transport], pipe, transport, blocks, repeats)
+                out[blocks] = statistics.median(seconds)
+                tick(f"KV transfer {blocks} blocks")
+        finally:
+            await sender.close()
+        return out
+
     try:
-        address = ours.recv()
-
-        async def run() -> dict[int, float]:
-            sender = KVSender(engine.kv_cache, layout, make_transport(transport))
-            out: dict[int, float] = {}
-            try:
-                for blocks in (small, large):
-                    times = []
-                    for r in range(repeats + 1):
-                        rid = f"p{blocks}-{r}"
-                        ids = list(range(blocks))
-                        ours.send((rid, ids))
-                        assert await asyncio.to_thread(ours.recv) == "ready"
-                        await sender.connect(address)
-                        sender.begin(rid, address, ids, "profile")
-                        start = time.perf_counter()
-
-                        def push(rid: str = rid) -> None:
-                            for layer in range(layout.num_layers):
-                                sender.send_layer(rid, layer)
-
-                        await asyncio.to_thread(push)
-                        await sender.finish(rid)
-                        times.append(time.perf_counter() - start)
-                    out[blocks] = statistics.median(times[1:])
-                    tick(f"KV transfer {blocks} blocks")
-            finally:
-                await sender.close()
-            return out
-
         measured = asyncio.run(run())
     finally:
-        ours.send(None)
-        proc.join(10)
+        stop_receiver(proc, pipe)
         shutdown_transports()
     per_block = max(measured[large] - measured[small], 1e-9) / (large - small)
     rate = layout.block_nbytes / per_block

@@ -134,7 +134,7 @@ def _server_interceptor(provider: TracerProvider):
     streaming handler two ways: as CancelledError inside it, or, when grpc was cancelled while writing a message,
     as the response generator being closed at a `yield`; both are caught here, while the span is still open, and
     the handler's own generator is closed inside the span too."""
-    from opentelemetry.instrumentation.grpc import __version__
+    from opentelemetry.instrumentation.grpc import aio_server_interceptor
     from opentelemetry.instrumentation.grpc._aio_server import (
         OpenTelemetryAioServerInterceptor,
         _OpenTelemetryAioServicerContext,
@@ -179,13 +179,8 @@ def _server_interceptor(provider: TracerProvider):
 
             return stream
 
-    tracer = trace.get_tracer(
-        "opentelemetry.instrumentation.grpc",
-        __version__,
-        provider,
-        schema_url="https://opentelemetry.io/schemas/1.11.0",
-    )
-    return EndAware(tracer, filter_=_not_noise())
+    stock = aio_server_interceptor(tracer_provider=provider, filter_=_not_noise())  # its tracer, as it names it
+    return EndAware(stock._tracer, filter_=stock._filter)
 
 
 def _not_noise():

@@ -8,7 +8,6 @@ up with the offered rate.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -168,8 +167,3 @@ def plot(predictions: Sequence[Prediction], slo: SLO, path: Path, top: int = 4) 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def median_error(pairs: Sequence[tuple[float, float]]) -> float:
-    """Median of |predicted - measured| / measured."""
-    return statistics.median(abs(p - m) / m for p, m in pairs if m)

@@ -41,10 +41,6 @@ class Deployment:
         return self.prefill == 0
 
     @property
-    def workers(self) -> int:
-        return self.prefill + self.decode
-
-    @property
     def label(self) -> str:
         if self.colocated:
             return f"colocated x{self.decode}"

@@ -133,17 +133,21 @@ async def _idle(stack: Stack, address: str) -> None:
     raise AssertionError(f"{address} still holds blocks: {stats}")
 
 
-def _restart(stack: Stack, address: str) -> None:
-    i = stack.procs.index(next(p for p in stack.procs if p.args[p.args.index("--port") + 1] == address.split(":")[1]))
-    old = stack.procs[i]
-    old.wait(60)
-    stack.procs[i] = subprocess.Popen(old.args, env=service_env())
-    wait_serving(address, stack.procs[i])
+def _index(stack: Stack, address: str) -> int:
+    """Where the process serving `address` is in stack.procs (a restart takes its predecessor's place)."""
+    port = address.rsplit(":", 1)[1]
+    return next(i for i, p in enumerate(stack.procs) if p.args[p.args.index("--port") + 1] == port)
 
 
 def _proc(stack: Stack, address: str) -> subprocess.Popen:
-    port = address.rsplit(":", 1)[1]
-    return next(p for p in stack.procs if p.poll() is None and p.args[p.args.index("--port") + 1] == port)
+    return stack.procs[_index(stack, address)]
+
+
+def _restart(stack: Stack, address: str) -> None:
+    i = _index(stack, address)
+    stack.procs[i].wait(60)
+    stack.procs[i] = subprocess.Popen(stack.procs[i].args, env=service_env())
+    wait_serving(address, stack.procs[i])
 
 
 @pytest.fixture(scope="module")
