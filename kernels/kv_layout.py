@@ -67,6 +67,15 @@ class KVLayout:
     def shape(self) -> tuple[int, ...]:
         return (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole cache."""
+        return self.num_blocks * self.block_nbytes
+
+    def page_offset(self, layer: int, kv: int, block: int) -> int:
+        """Where one page starts, in bytes from the start of the cache (kv: 0 for K, 1 for V)."""
+        return ((layer * 2 + kv) * self.num_blocks + block) * self.page_nbytes
+
     def with_blocks(self, num_blocks: int) -> KVLayout:
         return replace(self, num_blocks=num_blocks)
 
@@ -101,3 +110,18 @@ def contiguous_run(ids: list[int]) -> tuple[int, int] | None:
     if ids and ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])):
         return ids[0], ids[-1] + 1
     return None
+
+
+def paired_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, count) pieces for copying block src[i] to dst[i]: each piece is one contiguous run on
+    both sides, so a layer's K (or V) moves in as few operations as the two block lists allow."""
+    if len(src) != len(dst):
+        raise ValueError("source and destination need as many blocks")
+    runs: list[tuple[int, int, int]] = []
+    for i, (s, d) in enumerate(zip(src, dst)):
+        if i and s == src[i - 1] + 1 and d == dst[i - 1] + 1:
+            a, b, n = runs[-1]
+            runs[-1] = (a, b, n + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs

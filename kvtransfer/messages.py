@@ -1,10 +1,12 @@
 """The KV protocol's messages, as types, and the one codec between them and the JSON headers on the wire.
 
-A sender opens a connection with `Hello` (its layout) and the receiver answers `HelloOk` or `HelloErr`. Then, per
-transfer: `Begin` (the transfer id the receiver made, its secret, how many blocks the sender holds for it),
-`Layer` messages (each followed by 2 * len(layers) payloads of `blocks` pages: K then V of each layer), and the
-receiver's `Done` or `Error`; `Abort` from the sender gives up on one transfer, `Bye` ends the connection.
-Which blocks the bytes land in is never on the wire: the receiver writes where it reserved.
+A sender opens a connection with `Hello` (its layout and, when its cache is registered, the cache's descriptor) and
+the receiver answers `HelloOk` (naming the plane: one-sided when it will read from that cache, else staged) or
+`HelloErr`. Then, per transfer: `Begin` (the transfer id the receiver made, its secret, how many blocks the sender
+holds for it and, for a one-sided transfer, which of its blocks as runs), `Layer` messages (staged: each followed by
+2 * len(layers) payloads of `blocks` pages, K then V of each layer; one-sided: no payload, the receiver reads those
+layers), and the receiver's `Done` or `Error`; `Abort` from the sender gives up on one transfer, `Bye` ends the
+connection. Which blocks the bytes land in is never on the wire: the receiver writes where it reserved.
 
 `decode` trusts nothing: a header that is not one of these messages with fields of the right types and sizes is
 a ProtocolError, and the connection that sent it is closed.
@@ -23,18 +25,22 @@ MAX_SECRET = 256
 MAX_ERROR = 200  # what a receiver keeps of a peer's error text
 _MAX_STRING = {"req": MAX_TRANSFER_ID, "secret": MAX_SECRET, "error": 1 << 12}
 MAX_LAYERS_PER_MESSAGE = 4096
+MAX_SRC = 4096  # numbers in a Begin's source runs (a transfer whose blocks need more goes staged)
+PLANE_NAMES = ("staged", "one-sided")
 
 
 @dataclass(frozen=True)
 class Hello:
     kind: ClassVar[str] = "hello"
     layout: dict[str, Any]
+    memory: dict[str, Any] = field(default_factory=dict)  # the sender's registered cache (registered.py)
 
 
 @dataclass(frozen=True)
 class HelloOk:
     kind: ClassVar[str] = "hello_ok"
     layout: dict[str, Any]
+    plane: str = "staged"
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class Begin:
     blocks: int
     secret: str
     trace: dict[str, str] = field(default_factory=dict)
+    src: list[int] = field(default_factory=list)  # one-sided: the sender's blocks as (start, count) pairs, flat
 
 
 @dataclass(frozen=True)
@@ -128,9 +135,23 @@ def _checked(name: str, value: Any) -> Any:
         ):
             raise ProtocolError("field 'layers' must be a non-empty list of layer indices")
         return value
-    if name == "layout":
+    if name in ("layout", "memory"):
         if not isinstance(value, dict):
-            raise ProtocolError("field 'layout' must be an object")
+            raise ProtocolError(f"field {name!r} must be an object")
+        return value
+    if name == "plane":
+        if value not in PLANE_NAMES:
+            raise ProtocolError(f"field 'plane' must be one of {PLANE_NAMES}")
+        return value
+    if name == "src":
+        if (
+            not isinstance(value, list)
+            or len(value) % 2
+            or len(value) > MAX_SRC
+            or not all(_is_int(v) and v >= 0 for v in value)
+            or not all(value[i] > 0 for i in range(1, len(value), 2))
+        ):
+            raise ProtocolError("field 'src' must be a list of (start, count > 0) pairs of block numbers")
         return value
     if name == "trace":  # trace context: a few short strings, kept only as far as they are sane
         if not isinstance(value, dict):
@@ -141,3 +162,18 @@ def _checked(name: str, value: Any) -> Any:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def runs_of(blocks: list[int]) -> list[int]:
+    """Block numbers as flat (start, count) pairs: [5, 6, 7, 9] -> [5, 3, 9, 1]."""
+    out: list[int] = []
+    for b in blocks:
+        if out and b == out[-2] + out[-1]:
+            out[-1] += 1
+        else:
+            out += [b, 1]
+    return out
+
+
+def blocks_of(runs: list[int]) -> list[int]:
+    return [b for i in range(0, len(runs), 2) for b in range(runs[i], runs[i] + runs[i + 1])]

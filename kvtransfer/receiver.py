@@ -3,17 +3,20 @@
 The cache's owner first says which blocks a transfer will fill and with which secret (`expect`), then hands
 the address, transfer id and secret to a sender over an authenticated channel. On a connection the sender
 first proves its layout is compatible (`hello`), then names the transfer, its block count and its secret
-(`begin`); each message after that carries one or more consecutive layers: K and V of its blocks, which land in
-the reserved blocks in reservation order (the peer never says where bytes go: `messages.py`). A
-layer whose blocks form one contiguous run is received straight into the cache; scattered blocks go through a
-staging buffer and are scattered on arrival. The transfer's future resolves once every layer has landed (only
-then are the blocks ready), or fails on timeout (counted from `begin`), on the sender's abort, or when the
-connection that was feeding it breaks.
+(`begin`); each message after that names one or more consecutive layers, whose K and V land in the reserved
+blocks in reservation order (the peer never says where bytes go: `messages.py`). One-sided (the sender's cache is
+registered, and so is this one: `registered.py`): the message carries no bytes and this side reads those layers
+from the sender's blocks straight into its own, while it goes on reading messages. Staged: the bytes follow the
+message; a layer whose blocks form one contiguous run is received straight into the cache, scattered blocks go
+through a staging buffer and are scattered on arrival. The transfer's future resolves once every layer has landed
+(only then are the blocks ready), or fails on timeout (no progress for the timeout, counted from `begin`), on the
+sender's abort, on a failed read, or when the connection that was feeding it breaks.
 
 Nothing a peer says is trusted: header sizes are capped by the transport, every field is type-checked
 (`messages.decode`), a `begin` with the wrong secret or any message that breaks the protocol closes the connection
-without reading its payload, and payload sizes come from the reservation, never from the peer. Late layers of a
-transfer that was begun correctly and then cancelled are read and dropped (their size is the reservation's).
+without reading its payload, and payload sizes come from the reservation, never from the peer. A sender's cache
+descriptor is loaded into UCX only after a `begin` with a right secret. Late layers of a transfer that was begun
+correctly and then cancelled are read and dropped (their size is the reservation's).
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ from pdserve.kvtransfer.messages import (
     HelloErr,
     HelloOk,
     Layer,
+    Message,
+    blocks_of,
 )
+from pdserve.kvtransfer.registered import ONE_SIDED, STAGED, CacheDescriptor, RegisteredCache, RemoteCache
 from pdserve.kvtransfer.stats import StatsHook, TransferStats
 from pdserve.kvtransfer.transport import Connection, Listener, Transport, as_bytes
 
@@ -59,10 +65,45 @@ class _Expected:
     future: asyncio.Future
     stats: TransferStats
     layers_done: set[int] = field(default_factory=set)
+    layers_asked: set[int] = field(default_factory=set)  # one-sided: layers whose read was posted
     conn_id: int = 0  # the connection that began it (0: not begun yet)
-    started: float = 0.0
+    src: list[int] | None = None  # one-sided: the sender's blocks, in reservation order
+    started: float = 0.0  # first and last layer message (perf_counter)
+    last: float = 0.0
+    wire_end: float = 0.0
     timer: asyncio.TimerHandle | None = None
-    receiving: asyncio.Future | None = None  # resolves when a receive into the blocks in flight ends
+    receiving: asyncio.Future | None = None  # resolves when the receives or reads into the blocks in flight end
+    inflight: int = 0  # one-sided reads in flight
+
+
+@dataclass
+class _Link:
+    """One sender's connection: what it has begun, its cache (one-sided), and the sends and reads it has running."""
+
+    conn: Connection
+    id: int
+    begun: dict[str, bool] = field(default_factory=dict)  # transfers begun here -> one-sided?
+    sizes: dict[str, int] = field(default_factory=dict)  # ... -> their block count (what a layer is)
+    descriptor: CacheDescriptor | None = None  # the sender's cache, when this side reads from it
+    remote: RemoteCache | None = None  # ... loaded, after a begin with a right secret
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    reads: set[asyncio.Future] = field(default_factory=set)
+
+    async def send(self, msg: Message) -> None:
+        async with self.lock:  # completions send too: whole messages, one at a time
+            await self.conn.send(msg)
+
+    def send_soon(self, msg: Message) -> None:
+        task = asyncio.ensure_future(self._send_quietly(msg))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _send_quietly(self, msg: Message) -> None:
+        try:
+            await self.send(msg)
+        except TransferError:
+            pass  # the connection is gone; its end fails what it fed
 
 
 class KVReceiver:
@@ -76,9 +117,10 @@ class KVReceiver:
         timeout: float = 30.0,
         on_complete: StatsHook | None = None,
         advertise: str | None = None,
+        registered: RegisteredCache | None = None,
     ) -> None:
         """Listens on `host` (exactly: a wildcard only when asked for); senders are told `advertise` (default
-        `host`)."""
+        `host`). `registered`: this cache registered for one-sided reads (the receiver owns it from now on)."""
         if tuple(kv_cache.shape) != layout.shape:
             raise ValueError("KV cache shape does not match its layout")
         self.cache = kv_cache
@@ -88,6 +130,8 @@ class KVReceiver:
         self.advertise = advertise or host
         self.timeout = timeout
         self.on_complete = on_complete
+        self.registered = registered
+        self._cleanups: set[asyncio.Task] = set()
         self._expected: dict[str, _Expected] = {}
         self._listener: Listener | None = None
         self._conn_ids = iter(range(1, 1 << 62))
@@ -110,6 +154,10 @@ class KVReceiver:
         if self._listener is not None:
             await self._listener.close()
             self._listener = None
+        await asyncio.gather(*self._cleanups, return_exceptions=True)
+        if self.registered is not None:
+            await self.registered.close()
+            self.registered = None
 
     def expect(
         self, transfer_id: str, block_ids: list[int], secret: str, timeout: float | None = None
@@ -166,8 +214,7 @@ class KVReceiver:
     # ---- one connection ----------------------------------------------------------------------------------
 
     async def _serve(self, conn: Connection) -> None:
-        conn_id = next(self._conn_ids)
-        begun: dict[str, int] = {}  # transfers begun on this connection -> their block count (what a layer is)
+        link = _Link(conn, next(self._conn_ids))
         try:
             hello = await asyncio.wait_for(conn.recv(), self.timeout)
             if not isinstance(hello, Hello):
@@ -178,21 +225,26 @@ class KVReceiver:
                 await conn.send(HelloErr(str(e)))
                 log.warning("refused KV sender %s: %s", conn.peer, e)
                 return
-            await conn.send(HelloOk(self.layout.to_dict()))
+            if self.registered is not None and hello.memory:
+                descriptor = CacheDescriptor.from_dict(hello.memory, self.layout)
+                if self.registered.reaches(descriptor):
+                    link.descriptor = descriptor
+            await link.send(HelloOk(self.layout.to_dict(), ONE_SIDED if link.descriptor else STAGED))
             while True:
                 msg = await conn.recv()
                 if isinstance(msg, Begin):
-                    err = self._on_begin(conn_id, msg, begun)
+                    err = await self._on_begin(link, msg)
                     if err:
-                        await conn.send(Error(msg.req, err))
+                        await link.send(Error(msg.req, err))
                 elif isinstance(msg, Layer):
-                    done = await self._on_layer(conn, conn_id, msg, begun)
+                    done = await self._on_layer(link, msg)
                     if done is not None:
-                        await conn.send(Done(done))
+                        await link.send(Done(done))
                 elif isinstance(msg, Abort):
-                    begun.pop(msg.req, None)
+                    link.begun.pop(msg.req, None)
+                    link.sizes.pop(msg.req, None)
                     exp = self._expected.get(msg.req)
-                    if exp is not None and exp.conn_id == conn_id:
+                    if exp is not None and exp.conn_id == link.id:
                         self._fail(msg.req, TransferError(f"sender aborted: {msg.error[:MAX_ERROR]}"))
                 elif isinstance(msg, Bye):
                     return
@@ -201,26 +253,45 @@ class KVReceiver:
         except ProtocolError as e:
             self.refused_connections += 1
             log.warning("closing KV connection from %s: %s", conn.peer, e)
-            self._fail_fed_by(conn_id, PeerDisconnected(f"the sender broke the KV protocol: {e}"))
+            self._fail_fed_by(link.id, PeerDisconnected(f"the sender broke the KV protocol: {e}"))
         except (TimeoutError, PeerDisconnected, TransferError) as e:
-            self._fail_fed_by(conn_id, PeerDisconnected(f"KV sender went away: {e}"))
+            self._fail_fed_by(link.id, PeerDisconnected(f"KV sender went away: {e}"))
             log.info("KV sender %s disconnected: %s", conn.peer, e)
+        finally:
+            for t in link.tasks:
+                t.cancel()
+            if link.remote is not None:
+                task = asyncio.ensure_future(self._unload(link))
+                self._cleanups.add(task)
+                task.add_done_callback(self._cleanups.discard)
+
+    async def _unload(self, link: _Link) -> None:
+        """Forget a gone sender's cache once no read from it is in flight any more."""
+        await asyncio.gather(*link.reads, return_exceptions=True)
+        if link.remote is not None and self.registered is not None:
+            await self.registered.unload(link.remote)
 
     def _fail_fed_by(self, conn_id: int, error: TransferError) -> None:
         for tid, exp in list(self._expected.items()):
             if exp.conn_id == conn_id:
                 self._fail(tid, error)
 
-    def _on_begin(self, conn_id: int, msg: Begin, begun: dict[str, int]) -> str | None:
+    async def _on_begin(self, link: _Link, msg: Begin) -> str | None:
         """A sender names a transfer, how many blocks it sends and its secret; returns an error text for a
         transfer this receiver does not expect (any more). A wrong secret is a protocol error."""
         tid = msg.req
-        if not tid or tid in begun or len(begun) >= MAX_OPEN_PER_CONNECTION or msg.blocks > self.layout.num_blocks:
+        if (
+            not tid
+            or tid in link.begun
+            or len(link.begun) >= MAX_OPEN_PER_CONNECTION
+            or msg.blocks > self.layout.num_blocks
+        ):
             raise ProtocolError(f"transfer {tid!r} begun twice, too many open transfers, or more blocks than a pool")
         exp = self._expected.get(tid)
         if exp is not None and not hmac.compare_digest(msg.secret.encode(), exp.secret.encode()):
             raise ProtocolError(f"wrong secret for transfer {tid}")
-        begun[tid] = msg.blocks
+        src = self._source_blocks(link, msg) if msg.src else None
+        link.begun[tid], link.sizes[tid] = src is not None, msg.blocks
         if exp is None or exp.conn_id:
             self.discarded_messages += 1
             return "transfer not expected (cancelled or unknown)"
@@ -232,10 +303,27 @@ class KVReceiver:
                 ),
             )
             return "block count does not match the reservation"
-        exp.conn_id = conn_id
+        if src is not None and link.remote is None:
+            assert self.registered is not None and link.descriptor is not None
+            link.remote = await self.registered.load(link.descriptor)  # only now: the sender showed a secret
+            if self._expected.get(tid) is not exp:
+                return "transfer not expected (cancelled or unknown)"
+        exp.conn_id = link.id
+        exp.src = src
+        exp.stats.path = ONE_SIDED if src is not None else "tcp" if self.transport.name == "tcp" else STAGED
         exp.stats.trace = dict(msg.trace)
         self._arm(exp)
         return None
+
+    def _source_blocks(self, link: _Link, msg: Begin) -> list[int]:
+        """The sender's blocks of a one-sided begin, checked against its pool before they are spelled out."""
+        d = link.descriptor
+        if d is None:
+            raise ProtocolError("a one-sided begin on a connection this side does not read from")
+        starts, counts = msg.src[0::2], msg.src[1::2]
+        if sum(counts) != msg.blocks or any(a + n > d.num_blocks for a, n in zip(starts, counts)):
+            raise ProtocolError(f"transfer {msg.req}: source runs do not cover {msg.blocks} of the sender's blocks")
+        return blocks_of(msg.src)
 
     def _arm(self, exp: _Expected) -> None:
         """(Re)start the no-progress timer of a begun transfer."""
@@ -248,11 +336,13 @@ class KVReceiver:
             TransferTimeout(f"transfer {exp.transfer_id}: no KV for {self.timeout:.1f}s"),
         )
 
-    async def _on_layer(self, conn: Connection, conn_id: int, msg: Layer, begun: dict[str, int]) -> str | None:
-        """Land one message of one or more consecutive layers; returns the transfer id if that completed it."""
+    async def _on_layer(self, link: _Link, msg: Layer) -> str | None:
+        """Land (staged) or start reading (one-sided) one message of one or more consecutive layers; returns the
+        transfer id if that completed it."""
         tid, layers, n = msg.req, msg.layers, msg.blocks
         if (
-            begun.get(tid) != n
+            link.sizes.get(tid) != n
+            or tid not in link.begun
             or len(layers) > self.layout.num_layers
             or any(layer >= self.layout.num_layers for layer in layers)
         ):
@@ -260,18 +350,30 @@ class KVReceiver:
                 f"layer message for transfer {tid} that was not begun here with {n} blocks, or "
                 "for layers this layout does not have"
             )
-        payloads = 2 * len(layers)
+        one_sided = link.begun[tid]
+        payloads = 0 if one_sided else 2 * len(layers)
         exp = self._expected.get(tid)
-        if exp is None or exp.conn_id != conn_id or any(layer in exp.layers_done for layer in layers):
+        if (
+            exp is None
+            or exp.conn_id != link.id
+            or any(layer in exp.layers_done or layer in exp.layers_asked for layer in layers)
+        ):
             self.discarded_messages += 1  # cancelled since it began: read what was sent, drop it, say so
-            await conn.recv_many([np.empty(n * self.layout.page_nbytes, dtype=np.uint8) for _ in range(payloads)])
-            await conn.send(Error(tid, "transfer not expected (cancelled or unknown)"))
+            await link.conn.recv_many([np.empty(n * self.layout.page_nbytes, dtype=np.uint8) for _ in range(payloads)])
+            await link.send(Error(tid, "transfer not expected (cancelled or unknown)"))
             return None
         blocks = exp.block_ids
+        now = time.perf_counter()
         if not exp.started:
-            exp.started = time.perf_counter()
+            exp.started = now
             exp.stats.started_at = time.time()
+        exp.last = now
+        if one_sided:
+            self._read(link, exp, layers)
+            return None
+        conn = link.conn
         exp.receiving = asyncio.get_running_loop().create_future()
+        wire_start = time.perf_counter()
         try:
             run = contiguous_run(blocks)
             # a sender that stalls mid-message for longer than the timeout loses its connection (bounded wait)
@@ -296,19 +398,59 @@ class KVReceiver:
         finally:
             exp.receiving.set_result(None)
             exp.receiving = None
+        exp.stats.wire_seconds += time.perf_counter() - wire_start
+        return self._landed(link, exp, layers)
+
+    def _read(self, link: _Link, exp: _Expected, layers: list[int]) -> None:
+        """Post the read of `layers` from the sender's blocks into the reservation; `_read_ended` takes it up."""
+        assert self.registered is not None and link.remote is not None and exp.src is not None
+        exp.layers_asked.update(layers)
+        read = self.registered.read(link.remote, layers, exp.src, exp.block_ids, self.timeout)
+        exp.inflight += 1
+        if exp.receiving is None:
+            exp.receiving = asyncio.get_running_loop().create_future()
+        link.reads.add(read)
+        read.add_done_callback(lambda f: self._read_ended(link, exp, layers, f))
+
+    def _read_ended(self, link: _Link, exp: _Expected, layers: list[int], read: asyncio.Future) -> None:
+        link.reads.discard(read)
+        exp.inflight -= 1
+        if exp.inflight == 0 and exp.receiving is not None:
+            exp.receiving.set_result(None)  # nothing writes into the blocks any more: the owner may free them
+            exp.receiving = None
+        tid = exp.transfer_id
+        error = read.exception() if not read.cancelled() else TransferCancelled("read cancelled")
+        if self._expected.get(tid) is not exp:
+            return
+        if error is not None:
+            self._fail(tid, TransferError(f"transfer {tid}: {error}"))
+            link.send_soon(Error(tid, str(error)[:MAX_ERROR]))
+            return
+        start, end = read.result()
+        exp.stats.wire_seconds += end - max(start, exp.wire_end)  # reads that overlap count once
+        exp.wire_end = max(exp.wire_end, end)
+        if self._landed(link, exp, layers) is not None:
+            link.send_soon(Done(tid))
+
+    def _landed(self, link: _Link, exp: _Expected, layers: list[int]) -> str | None:
+        """Count layers as landed; returns the transfer id once that completes it (its future is resolved)."""
+        tid = exp.transfer_id
         if self._expected.get(tid) is not exp:
             return None
         exp.layers_done.update(layers)
-        exp.stats.nbytes += payloads * n * self.layout.page_nbytes
+        exp.stats.nbytes += 2 * len(layers) * len(exp.block_ids) * self.layout.page_nbytes
         exp.stats.layers += len(layers)
         if len(exp.layers_done) < self.layout.num_layers:
             self._arm(exp)
             return None
         del self._expected[tid]
-        begun.pop(tid, None)
+        link.begun.pop(tid, None)
+        link.sizes.pop(tid, None)
         if exp.timer is not None:
             exp.timer.cancel()
-        exp.stats.seconds = time.perf_counter() - exp.started
+        now = time.perf_counter()
+        exp.stats.seconds = now - exp.started
+        exp.stats.tail_seconds = now - exp.last
         if not exp.future.done():
             exp.future.set_result(exp.stats)
         if self.on_complete:

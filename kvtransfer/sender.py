@@ -2,11 +2,13 @@
 
 `begin` opens (or reuses) the one connection to that receiver — a handshake checks the layout fingerprint
 first — and registers the request. `send_layer` is called from the forward pass's thread as soon as layer l
-is written: it snapshots the layer's blocks (a view when they are one contiguous run, else a packed copy) and
-queues one message. A single writer task per connection sends queued messages in order, so several requests
-share the connection; in-flight bytes are bounded, which makes a fast forward wait for a slow wire.
-`finish` waits for the receiver's acknowledgement that every layer landed. The sender names only its own blocks:
-where they land is the receiver's reservation.
+is written. When this cache is registered and the receiver reads it (one-sided, `registered.py`), that queues a
+header saying the layer is ready and nothing else: the receiver reads the blocks from this cache, which holds them
+until `finish`. Otherwise (staged) it snapshots the layer's blocks (a view when they are one contiguous run, else a
+packed copy) and queues them behind the header. A single writer task per connection sends queued messages in
+order, so several requests share the connection; in-flight bytes are bounded, which makes a fast forward wait for
+a slow wire. `finish` waits for the receiver's acknowledgement that every layer landed. The sender names only its
+own blocks: where they land is the receiver's reservation.
 """
 
 from __future__ import annotations
@@ -24,7 +26,21 @@ import torch
 from pdserve.kernels.cache_ops import gather_blocks
 from pdserve.kernels.kv_layout import KVLayout, LayoutMismatch, contiguous_run
 from pdserve.kvtransfer.errors import PeerDisconnected, TransferCancelled, TransferError, TransferTimeout
-from pdserve.kvtransfer.messages import MAX_ERROR, Abort, Begin, Bye, Done, Error, Hello, HelloOk, Layer, Message
+from pdserve.kvtransfer.messages import (
+    MAX_ERROR,
+    MAX_SRC,
+    Abort,
+    Begin,
+    Bye,
+    Done,
+    Error,
+    Hello,
+    HelloOk,
+    Layer,
+    Message,
+    runs_of,
+)
+from pdserve.kvtransfer.registered import ONE_SIDED, RegisteredCache
 from pdserve.kvtransfer.stats import StatsHook, TransferStats
 from pdserve.kvtransfer.transport import Connection, Transport, as_bytes, parse_address, to_host
 
@@ -39,7 +55,10 @@ class _Outgoing:
     src_run: tuple[int, int] | None
     done: asyncio.Future[TransferStats]
     stats: TransferStats
+    one_sided: bool = False  # the receiver reads the blocks; only headers travel
     started: float = field(default_factory=time.perf_counter)
+    first: float = 0.0  # first and last layer queued (perf_counter)
+    last: float = 0.0
 
 
 @dataclass
@@ -49,6 +68,7 @@ class _Queued:
     message: Message
     payloads: tuple[np.ndarray, ...] = ()
     nbytes: int = 0
+    ready: torch.cuda.Event | None = None  # device memory: the forward's writes are done once this has passed
 
 
 class _ByteBudget:
@@ -76,9 +96,16 @@ class _Peer:
     tells the owner once when the connection becomes unusable."""
 
     def __init__(
-        self, address: str, conn: Connection, budget: _ByteBudget, timeout: float, on_broken: Callable[[_Peer], None]
+        self,
+        address: str,
+        conn: Connection,
+        budget: _ByteBudget,
+        timeout: float,
+        on_broken: Callable[[_Peer], None],
+        read_by: RegisteredCache | None = None,
     ) -> None:
         self.address = address
+        self.read_by = read_by  # this cache, when the receiver reads from it (one-sided)
         self.conn = conn
         self.budget = budget
         self.timeout = timeout
@@ -122,6 +149,9 @@ class _Peer:
 
     async def _send(self, items: list[_Queued], nbytes: int) -> None:
         try:
+            for i in items:
+                if i.ready is not None:  # a layer is announced only once the GPU has written it
+                    await asyncio.to_thread(i.ready.synchronize)
             await asyncio.wait_for(self.conn.send_many([(i.message, i.payloads) for i in items]), self.timeout)
         except PeerDisconnected as e:
             self.fail(PeerDisconnected(f"sending KV to {self.address} failed: {e!r}"))
@@ -138,7 +168,9 @@ class _Peer:
                 if req is None or req.done.done():
                     continue
                 if isinstance(msg, Done):
-                    req.stats.seconds = time.perf_counter() - req.started
+                    now = time.perf_counter()
+                    req.stats.seconds = now - (req.first or req.started)
+                    req.stats.tail_seconds = now - (req.last or req.started)
                     req.done.set_result(req.stats)
                 elif isinstance(msg, Error):
                     req.done.set_exception(TransferError(f"receiver refused request {req.request_id}: {msg.error}"))
@@ -174,6 +206,9 @@ class _Peer:
             item = self.queue.get_nowait()
             if item is not None:
                 self.budget.release(item.nbytes)
+        if self.read_by is not None:
+            self.read_by.serving(-1)
+            self.read_by = None
         await self.conn.close()
 
 
@@ -188,6 +223,7 @@ def _coalesce(items: list[_Queued]) -> list[_Queued]:
                 Layer(msg.req, prev.layers + msg.layers, msg.blocks),
                 out[-1].payloads + item.payloads,
                 out[-1].nbytes + item.nbytes,
+                item.ready or out[-1].ready,  # one stream: the later event implies the earlier
             )
         else:
             out.append(item)
@@ -203,8 +239,11 @@ class KVSender:
         timeout: float = 30.0,
         max_inflight_bytes: int = 256 << 20,
         on_complete: StatsHook | None = None,
+        registered: RegisteredCache | None = None,
     ) -> None:
+        """`registered`: this cache registered for one-sided reads (the sender owns it from now on); None: staged."""
         self.cache = kv_cache
+        self.registered = registered
         self.layout = layout
         self.transport = transport
         self.timeout = timeout
@@ -214,6 +253,9 @@ class KVSender:
         self._connecting: dict[str, asyncio.Lock] = {}
         self._requests: dict[str, _Outgoing] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._handoff: list[tuple[_Peer, _Queued]] = []  # queued from other threads, for the loop to take
+        self._handoff_lock = threading.Lock()
+        self._handoff_scheduled = False
         self._closing: set[asyncio.Future] = set()
 
     def connected(self, address: str) -> bool:
@@ -242,8 +284,9 @@ class KVSender:
                 conn = await self.transport.connect(host, port, self.timeout)
             except (TimeoutError, OSError, PeerDisconnected) as e:
                 raise PeerDisconnected(f"cannot connect to KV receiver {address}: {e!r}") from e
+            memory = self.registered.descriptor.to_dict() if self.registered is not None else {}
             try:
-                await asyncio.wait_for(conn.send(Hello(self.layout.to_dict())), self.timeout)
+                await asyncio.wait_for(conn.send(Hello(self.layout.to_dict(), memory)), self.timeout)
                 reply = await asyncio.wait_for(conn.recv(), self.timeout)
             except TimeoutError:
                 await conn.close()
@@ -256,7 +299,10 @@ class KVSender:
             if not isinstance(reply, HelloOk):
                 await conn.close()
                 raise LayoutMismatch(f"KV receiver {address} refused this sender: {getattr(reply, 'error', reply)}")
-            peer = _Peer(address, conn, self._budget, self.timeout, self._forget_peer)
+            read_by = self.registered if reply.plane == ONE_SIDED and self.registered is not None else None
+            if read_by is not None:
+                read_by.serving(+1)
+            peer = _Peer(address, conn, self._budget, self.timeout, self._forget_peer, read_by)
             self._peers[address] = peer
             return peer
 
@@ -279,6 +325,8 @@ class KVSender:
         if peer is None:
             raise PeerDisconnected(f"no open KV connection to {address}")
         self._loop = asyncio.get_running_loop()
+        runs = runs_of(list(src_block_ids)) if peer.read_by is not None else []
+        one_sided = 0 < len(runs) <= MAX_SRC  # blocks too scattered to name in one header go staged
         req = _Outgoing(
             request_id,
             peer,
@@ -288,19 +336,36 @@ class KVSender:
             TransferStats(
                 request_id,
                 self.transport.name,
+                path=ONE_SIDED if one_sided else _staged_path(self.transport.name),
                 blocks=len(src_block_ids),
                 started_at=time.time(),
                 trace=dict(trace or {}),
             ),
+            one_sided,
         )
         peer.requests[request_id] = req
         self._requests[request_id] = req
-        peer.put(_Queued(Begin(request_id, len(src_block_ids), secret, req.stats.trace)))
+        peer.put(_Queued(Begin(request_id, len(src_block_ids), secret, req.stats.trace, runs if one_sided else [])))
 
     def send_layer(self, request_id: str, layer: int) -> None:
         """Queue layer `layer` of a begun request. Thread-safe; call it right after the layer's KV is written."""
         req = self._requests.get(request_id)
         if req is None or req.done.done():
+            return
+        now = time.perf_counter()
+        if not req.first:
+            req.first = now
+            req.stats.started_at = time.time()
+        req.last = now
+        nbytes = 2 * len(req.src_block_ids) * self.layout.page_nbytes
+        req.stats.nbytes += nbytes
+        req.stats.layers += 1
+        if req.one_sided:
+            ready = None
+            if self.cache.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+            self._post(req, _Queued(Layer(request_id, [layer], len(req.src_block_ids)), ready=ready))
             return
         kv_layer = self.cache[layer]
         if req.src_run is not None:
@@ -310,17 +375,28 @@ class KVSender:
         if packed.device.type != "cpu":
             packed = to_host(packed)
         k, v = packed[0], packed[1]
-        nbytes = 2 * len(req.src_block_ids) * self.layout.page_nbytes
-        on_loop = _running_loop() is self._loop
-        self._budget.acquire(nbytes, block=not on_loop)
-        req.stats.nbytes += nbytes
-        req.stats.layers += 1
-        item = _Queued(Layer(request_id, [layer], len(req.src_block_ids)), (as_bytes(k), as_bytes(v)), nbytes)
-        if on_loop:
+        self._budget.acquire(nbytes, block=_running_loop() is not self._loop)
+        self._post(req, _Queued(Layer(request_id, [layer], len(req.src_block_ids)), (as_bytes(k), as_bytes(v)), nbytes))
+
+    def _post(self, req: _Outgoing, item: _Queued) -> None:
+        """Queue an item on the request's connection, from the loop or from any thread."""
+        if _running_loop() is self._loop:
             req.peer.put(item)
-        else:
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(req.peer.put, item)
+            return
+        assert self._loop is not None
+        with self._handoff_lock:  # one wake-up of the loop for all a thread queues meanwhile, not one per layer
+            self._handoff.append((req.peer, item))
+            if self._handoff_scheduled:
+                return
+            self._handoff_scheduled = True
+        self._loop.call_soon_threadsafe(self._take_handoff)
+
+    def _take_handoff(self) -> None:
+        with self._handoff_lock:
+            items, self._handoff = self._handoff, []
+            self._handoff_scheduled = False
+        for peer, item in items:
+            peer.put(item)
 
     async def finish(self, request_id: str) -> TransferStats:
         """Wait until the receiver confirms every layer landed; raises TransferError otherwise. Always unregisters."""
@@ -330,6 +406,8 @@ class KVSender:
         try:
             stats = await asyncio.wait_for(asyncio.shield(req.done), self.timeout)
         except TimeoutError:
+            if req.peer.broken is None:  # the receiver stops too (and stops reading these blocks) rather than time out
+                req.peer.put(_Queued(Abort(request_id, "the sender gave up waiting for the acknowledgement")))
             raise TransferTimeout(
                 f"receiver {req.peer.address} did not confirm request {request_id} within {self.timeout:.1f}s"
             ) from None
@@ -368,6 +446,13 @@ class KVSender:
         self._peers.clear()
         await asyncio.gather(*self._closing, return_exceptions=True)
         self._closing.clear()
+        if self.registered is not None:
+            await self.registered.close()
+            self.registered = None
+
+
+def _staged_path(transport: str) -> str:
+    return "tcp" if transport == "tcp" else "staged"
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

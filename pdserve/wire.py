@@ -131,6 +131,8 @@ def result_to_proto(result: PrefillResult) -> worker_pb2.PrefillResponse:
             layers=t.get("layers", 0),
             blocks=t.get("blocks", 0),
             transport=t.get("transport", ""),
+            path=t.get("path", ""),
+            tail_seconds=t.get("tail_seconds", 0.0),
         ),
     )
 
@@ -143,5 +145,13 @@ def result_from_proto(msg: worker_pb2.PrefillResponse, wants_logprobs: bool) -> 
         sample,
         msg.cached_tokens,
         msg.computed_tokens,
-        {"bytes": t.bytes, "seconds": t.seconds, "layers": t.layers, "blocks": t.blocks, "transport": t.transport},
+        {
+            "bytes": t.bytes,
+            "seconds": t.seconds,
+            "layers": t.layers,
+            "blocks": t.blocks,
+            "transport": t.transport,
+            "path": t.path,
+            "tail_seconds": t.tail_seconds,
+        },
     )

@@ -78,18 +78,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., start_within_s: _Optional[float] = ...) -> None: ...
 
 class TransferFigures(_message.Message):
-    __slots__ = ("bytes", "seconds", "layers", "blocks", "transport")
+    __slots__ = ("bytes", "seconds", "layers", "blocks", "transport", "path", "tail_seconds")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TAIL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     seconds: float
     layers: int
     blocks: int
     transport: str
-    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., layers: _Optional[int] = ..., blocks: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
+    path: str
+    tail_seconds: float
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., layers: _Optional[int] = ..., blocks: _Optional[int] = ..., transport: _Optional[str] = ..., path: _Optional[str] = ..., tail_seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("token_id", "logprob", "cached_tokens", "computed_tokens", "transfer")
