@@ -1,17 +1,21 @@
-"""KV transfer bandwidth: pdserve's UCX and TCP paths next to raw ucxx and memcpy, in one run on one host.
+"""KV transfer bandwidth: pdserve's paths (one-sided, staged over UCX, TCP) next to raw ucxx, a raw one-sided
+read and memcpy, in one run on one host.
 
     python -m pdserve.benchmarks.kv_transfer --tokens 128 1024 8192 --repeats 5
 
 The layout is a 135M-class model's (30 layers, 3 KV heads, head dim 64, block 16, bf16). Each pdserve
-transfer is one request: 30 layer messages of K and V from the sender's cache into the receiver's paged cache,
-timed at the sender from the first layer queued to the receiver's acknowledgement. Raw ucxx is one buffer of
-the same size sent and acknowledged on the same kind of endpoint; memcpy is a torch copy of that buffer.
+transfer is one request: 30 layer messages from the sender's cache into the receiver's paged cache, timed at the
+sender from the first layer queued to the receiver's acknowledgement. one-sided: the receiver reads the blocks
+from the sender's registered cache (NIXL over UCX); staged: K and V travel behind each layer's header on the ucxx
+connection; tcp: the same over a socket. Raw ucxx is one buffer of the same size sent and acknowledged on a ucxx
+endpoint; raw read is one NIXL READ of the same bytes between two registered buffers; memcpy is a torch copy.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import multiprocessing as mp
 import os
@@ -34,12 +38,17 @@ def _cache(num_blocks: int, random: bool) -> torch.Tensor:
     return t.normal_() if random else t.zero_()
 
 
-def _receiver(pipe, layout: dict, transports: tuple[str, ...], raw: bool) -> None:
-    """Serves a pdserve receiver per transport (into a zeroed cache of `layout`) and, with `raw`, a raw ucxx
-    echo-ack endpoint; answers ("expect", transport, id, blocks) with "ready", ("stop",) with "stopped"."""
+PATHS = {"one-sided": "ucx", "staged": "ucx", "tcp": "tcp"}  # pdserve's paths and the transport each runs on
+
+
+def _receiver(pipe, layout: dict, paths: tuple[str, ...], raw: bool) -> None:
+    """Serves a pdserve receiver per path (into a zeroed cache of `layout`) and, with `raw`, a raw ucxx
+    echo-ack endpoint; answers ("expect", path, id, blocks) with "ready", ("raw_read", descriptor, nbytes,
+    repeats) with GB/s of raw one-sided reads, ("stop",) with "stopped"."""
     from pdserve.kernels.kv_layout import KVLayout
     from pdserve.kvtransfer.backends import make_transport
     from pdserve.kvtransfer.receiver import KVReceiver
+    from pdserve.kvtransfer.registered import ONE_SIDED, STAGED, open_plane
 
     async def raw_handler(ep) -> None:
         while True:
@@ -56,7 +65,11 @@ def _receiver(pipe, layout: dict, transports: tuple[str, ...], raw: bool) -> Non
         loop = asyncio.get_running_loop()
         lay = KVLayout(**layout)
         cache = torch.zeros(lay.shape, dtype=lay.torch_dtype)
-        receivers = {name: await KVReceiver(cache, lay, make_transport(name)).start() for name in transports}
+        receivers = {}
+        for path in paths:
+            transport = PATHS[path]
+            registered = open_plane(cache, lay, transport, ONE_SIDED if path == ONE_SIDED else STAGED, "bench")
+            receivers[path] = await KVReceiver(cache, lay, make_transport(transport), registered=registered).start()
         addresses: dict = {name: r.address for name, r in receivers.items()}
         listener = None  # held for as long as this serves: a listener nobody holds is closed
         if raw:
@@ -77,11 +90,41 @@ def _receiver(pipe, layout: dict, transports: tuple[str, ...], raw: bool) -> Non
                     await r.close()
                 pipe.send("stopped")
                 return
+            if cmd[0] == "raw_read":
+                pipe.send(await asyncio.to_thread(_raw_reads, *cmd[1:]))
+                continue
             _, name, rid, blocks = cmd
             receivers[name].expect(rid, blocks, "bench")
             pipe.send("ready")
 
     asyncio.run(main())
+
+
+def _raw_reads(descriptor: dict, nbytes: int, repeats: int) -> list[float]:
+    """GB/s of single NIXL READs of `nbytes` from the start of a peer's registered cache into a registered buffer
+    here: the one-sided ceiling on this host, with no pdserve in the way."""
+    from pdserve.kvtransfer.registered import _nixl, without_ucxx_settings
+
+    nixl = _nixl()
+    with without_ucxx_settings():  # the same UCX settings pdserve's agents get
+        agent = nixl.nixl_agent("bench-raw", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    agent.register_memory([(buf.data_ptr(), nbytes, 0, "")], "DRAM")
+    peer = agent.add_remote_agent(base64.b64decode(descriptor["metadata"]))
+    local = agent.get_xfer_descs([(buf.data_ptr(), nbytes, 0)], "DRAM")
+    remote = agent.get_xfer_descs([(descriptor["base"], nbytes, 0)], "DRAM")
+    out = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        handle = agent.initialize_xfer("READ", local, remote, peer)
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        assert state == "DONE", state
+        agent.release_xfer_handle(handle)
+        out.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    agent.remove_remote_agent(peer)
+    return out[1:]
 
 
 async def _raw_ucxx(port: int, nbytes: int, repeats: int) -> list[float]:
@@ -101,11 +144,11 @@ async def _raw_ucxx(port: int, nbytes: int, repeats: int) -> list[float]:
     return out[1:]
 
 
-def receiver_process(layout: dict, transports: tuple[str, ...], raw: bool = False):
-    """A spawned process serving `_receiver`: (process, pipe, addresses by transport, "raw" with `raw`)."""
+def receiver_process(layout: dict, paths: tuple[str, ...], raw: bool = False):
+    """A spawned process serving `_receiver`: (process, pipe, addresses by path, "raw" with `raw`)."""
     ctx = mp.get_context("spawn")
     pipe, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(child, layout, transports, raw), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(child, layout, paths, raw), daemon=True)
     proc.start()
     child.close()  # the child's end lives in the child: if it dies, recv here fails instead of waiting forever
     return proc, pipe, pipe.recv()
@@ -166,37 +209,50 @@ def main() -> None:
 
     from pdserve.kernels.kv_layout import KVLayout
     from pdserve.kvtransfer.backends import make_transport
+    from pdserve.kvtransfer.registered import ONE_SIDED, STAGED, open_plane
     from pdserve.kvtransfer.sender import KVSender
 
     max_blocks = max(-(-t // LAYOUT["block_size"]) for t in args.tokens)
-    proc, pipe, addresses = receiver_process({**LAYOUT, "num_blocks": max_blocks}, ("ucx", "tcp"), raw=True)
+    proc, pipe, addresses = receiver_process({**LAYOUT, "num_blocks": max_blocks}, tuple(PATHS), raw=True)
 
     async def run() -> list[dict]:
         cache = _cache(max_blocks, random=True)
         layout = KVLayout(**LAYOUT, num_blocks=max_blocks)
-        senders = {name: KVSender(cache, layout, make_transport(name)) for name in ("ucx", "tcp")}
+        senders = {}
+        for path, transport in PATHS.items():
+            registered = open_plane(cache, layout, transport, ONE_SIDED if path == ONE_SIDED else STAGED, "bench")
+            senders[path] = KVSender(cache, layout, make_transport(transport), registered=registered)
+        registered = senders[ONE_SIDED].registered
+        assert registered is not None
         rows = []
         print(
-            f"{'tokens':>6} {'MiB':>7} {'memcpy':>8} {'raw ucxx':>9} {'pdserve ucx':>12} {'pdserve tcp':>12}"
-            f" {'ucx/raw':>8}   GB/s, median of {args.repeats}"
+            f"{'tokens':>6} {'MiB':>6} {'memcpy':>7} {'raw ucxx':>8} {'raw read':>8} {'one-sided':>9} {'staged':>7}"
+            f" {'tcp':>6} {'1s/ucxx':>7} {'1s/read':>7}   GB/s, median of {args.repeats}"
         )
         for tokens in args.tokens:
             blocks = -(-tokens // LAYOUT["block_size"])
             nbytes = blocks * layout.block_nbytes
+            registered.serving(+1)  # the raw reader is one more peer this cache must progress for
+            pipe.send(("raw_read", registered.descriptor.to_dict(), nbytes, args.repeats))
+            raw_read = await asyncio.to_thread(pipe.recv)
+            registered.serving(-1)
             row = {
                 "tokens": tokens,
                 "bytes": nbytes,
                 "memcpy": statistics.median(_memcpy(nbytes, args.repeats)),
                 "raw_ucxx": statistics.median(await _raw_ucxx(addresses["raw"], nbytes, args.repeats)),
+                "raw_read": statistics.median(raw_read),
             }
             for name, sender in senders.items():
                 seconds = await pdserve_seconds(sender, addresses[name], pipe, name, blocks, args.repeats)
-                row[f"pdserve_{name}"] = statistics.median(nbytes / t / 1e9 for t in seconds)
-            row["ucx_over_raw"] = row["pdserve_ucx"] / row["raw_ucxx"]
+                row[name] = statistics.median(nbytes / t / 1e9 for t in seconds)
+            row["one_sided_over_raw_ucxx"] = row[ONE_SIDED] / row["raw_ucxx"]
+            row["one_sided_over_raw_read"] = row[ONE_SIDED] / row["raw_read"]
             rows.append(row)
             print(
-                f"{tokens:>6} {nbytes / 2**20:>7.1f} {row['memcpy']:>8.2f} {row['raw_ucxx']:>9.2f} "
-                f"{row['pdserve_ucx']:>12.2f} {row['pdserve_tcp']:>12.2f} {row['ucx_over_raw']:>8.2f}",
+                f"{tokens:>6} {nbytes / 2**20:>6.1f} {row['memcpy']:>7.2f} {row['raw_ucxx']:>8.2f} "
+                f"{row['raw_read']:>8.2f} {row[ONE_SIDED]:>9.2f} {row['staged']:>7.2f} {row['tcp']:>6.2f} "
+                f"{row['one_sided_over_raw_ucxx']:>7.2f} {row['one_sided_over_raw_read']:>7.2f}",
                 flush=True,
             )
         for s in senders.values():

@@ -154,19 +154,22 @@ def _transfer(engine: EngineCore, transport: str, repeats: int, tick: Callable[[
 
     from pdserve.benchmarks.kv_transfer import pdserve_seconds, receiver_process, stop_receiver
     from pdserve.kvtransfer.backends import make_transport, shutdown_transports
+    from pdserve.kvtransfer.registered import ONE_SIDED, STAGED, open_plane
     from pdserve.kvtransfer.sender import KVSender
 
     layout = engine.layout
     small = 1
     large = max(small + 1, min(layout.num_blocks, 8192 // layout.block_size))
-    proc, pipe, addresses = receiver_process(dataclasses.asdict(layout.with_blocks(large)), (transport,))
+    registered = open_plane(engine.kv_cache, layout, transport, "auto", "prefill")  # what a prefill worker runs
+    path = "tcp" if transport == "tcp" else ONE_SIDED if registered is not None else STAGED
+    proc, pipe, addresses = receiver_process(dataclasses.asdict(layout.with_blocks(large)), (path,))
 
     async def run() -> dict[int, float]:
-        sender = KVSender(engine.kv_cache, layout, make_transport(transport))
+        sender = KVSender(engine.kv_cache, layout, make_transport(transport), registered=registered)
         out: dict[int, float] = {}
         try:
             for blocks in (small, large):
-                seconds = await pdserve_seconds(sender, addresses[transport], pipe, transport, blocks, repeats)
+                seconds = await pdserve_seconds(sender, addresses[path], pipe, path, blocks, repeats)
                 out[blocks] = statistics.median(seconds)
                 tick(f"KV transfer {blocks} blocks")
         finally:

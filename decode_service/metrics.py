@@ -59,6 +59,18 @@ class DecodeMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.transfers = Counter(
+            "pdserve_kv_transfers_received",
+            "Landed KV transfers, by the path their blocks took (one-sided, staged, tcp).",
+            ["path"],
+            registry=r,
+        )
+        self.transfer_tail_seconds = Histogram(
+            "pdserve_kv_transfer_receive_tail_seconds",
+            "Last layer announced until it landed: what the transfer adds to TTFT.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge("pdserve_decode_requests_running", "Sequences in the running batch.", registry=r)
         self.waiting = Gauge("pdserve_decode_requests_waiting", "Requests waiting for blocks or prefill.", registry=r)
         self.kv_blocks = Gauge("pdserve_decode_kv_blocks", "KV blocks by state.", ["state"], registry=r)

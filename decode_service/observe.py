@@ -135,6 +135,8 @@ class DecodeObserver:
         """Count a landed transfer and record it as a span under the sender's `kv.transfer` span."""
         self.metrics.transfer_bytes.inc(stats.nbytes)
         self.metrics.transfer_seconds.observe(stats.seconds)
+        self.metrics.transfer_tail_seconds.observe(stats.tail_seconds)
+        self.metrics.transfers.labels(stats.path).inc()
         start = int(stats.started_at * 1e9)
         span = self.tracer.start_span(
             "kv.receive",
@@ -147,7 +149,10 @@ class DecodeObserver:
                 "kv.layers": stats.layers,
                 "kv.blocks": stats.blocks,
                 "kv.gbps": stats.gbps,
+                "kv.seconds": stats.seconds,
+                "kv.tail_seconds": stats.tail_seconds,
                 "kv.transport": stats.transport,
+                "kv.path": stats.path,
             },
         )
         span.end(end_time=start + int(stats.seconds * 1e9))

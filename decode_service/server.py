@@ -186,6 +186,7 @@ async def serve(
     kv_port: int = 0,
     threads_while_prefilling: int | None = None,
     kv_bind: str | None = None,
+    kv_plane: str = "auto",
 ) -> tuple[RunningServer, DecodeWorker, PrefillClients | None]:
     """A decode worker (or, `colocated`, one that prefills every prompt itself and runs no KV receiver)."""
     tracing = tracing or Tracing("pdserve-colocated" if colocated else "pdserve-decode")
@@ -203,6 +204,7 @@ async def serve(
         local_prefill_max_tokens=local_prefill_max_tokens,
         observer=DecodeObserver(tracing.tracer),
         threads_while_prefilling=threads_while_prefilling,
+        kv_plane=kv_plane,
     )
     try:
         await worker.start()

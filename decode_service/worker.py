@@ -33,6 +33,7 @@ from pdserve.engine.sequence import Sequence
 from pdserve.errors import HandedBack, WorkerClosing
 from pdserve.kvtransfer.backends import make_transport
 from pdserve.kvtransfer.receiver import KVReceiver
+from pdserve.kvtransfer.registered import open_plane
 from pdserve.wire import PrefillJob, PrefillResult
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class DecodeWorker:
         local_prefill_max_tokens: int = 0,
         observer: DecodeObserver | None = None,
         threads_while_prefilling: int | None = None,
+        kv_plane: str = "auto",
     ) -> None:
         self.role = "decode" if call_prefill is not None else "colocated"
         self.threads_while_prefilling = threads_while_prefilling
@@ -108,6 +110,7 @@ class DecodeWorker:
                 kv_port,
                 timeout=transfer_timeout,
                 advertise=kv_host,
+                registered=open_plane(self.core.kv_cache, self.core.layout, transport, kv_plane, self.role),
             )
         self.metrics.bind_state(self.core.stats)
         self.requests_total = 0

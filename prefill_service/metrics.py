@@ -47,6 +47,18 @@ class PrefillMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.transfers = Counter(
+            "pdserve_kv_transfers_sent",
+            "Acknowledged KV transfers, by the path their blocks took (one-sided, staged, tcp).",
+            ["path"],
+            registry=r,
+        )
+        self.transfer_tail_seconds = Histogram(
+            "pdserve_kv_transfer_tail_seconds",
+            "Last layer queued until the decode worker acknowledged the transfer: what it adds to TTFT.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge("pdserve_prefill_requests_running", "Prompts being computed or transferred.", registry=r)
         self.waiting = Gauge("pdserve_prefill_requests_waiting", "Prompts queued.", registry=r)
         self.kv_blocks = Gauge("pdserve_prefill_kv_blocks", "KV blocks by state.", ["state"], registry=r)

@@ -87,6 +87,8 @@ class JobWatch:
         if stats is not None:
             self.observer.metrics.transfer_bytes.inc(stats.nbytes)
             self.observer.metrics.transfer_seconds.observe(stats.seconds)
+            self.observer.metrics.transfer_tail_seconds.observe(stats.tail_seconds)
+            self.observer.metrics.transfers.labels(stats.path).inc()
         if span is None:
             return
         if stats is not None:
@@ -96,7 +98,9 @@ class JobWatch:
                     "kv.layers": stats.layers,
                     "kv.blocks": stats.blocks,
                     "kv.seconds": stats.seconds,
+                    "kv.tail_seconds": stats.tail_seconds,
                     "kv.gbps": stats.gbps,
+                    "kv.path": stats.path,
                 }
             )
         if error is not None:
@@ -118,6 +122,7 @@ class JobWatch:
                 cached_tokens=result.cached_tokens,
                 kv_bytes=result.transfer.get("bytes", 0),
                 kv_gbps=round(result.transfer.get("gbps", 0.0), 3),
+                kv_path=result.transfer.get("path", ""),
             )
         log_request(
             request_log,

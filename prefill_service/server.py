@@ -58,9 +58,10 @@ async def serve(
     tracing: Tracing | None = None,
     reflection: bool = False,
     tls: TLSConfig | None = None,
+    kv_plane: str = "auto",
 ) -> tuple[RunningServer, PrefillWorker]:
     tracing = tracing or Tracing("pdserve-prefill")
-    worker = PrefillWorker(cfg, transport=transport, observer=PrefillObserver(tracing.tracer))
+    worker = PrefillWorker(cfg, transport=transport, observer=PrefillObserver(tracing.tracer), kv_plane=kv_plane)
     try:
         await worker.start()
         running = await start_server(

@@ -28,6 +28,7 @@ from pdserve.errors import QueueFull, WorkerClosing
 from pdserve.kernels.kv_layout import LayoutMismatch
 from pdserve.kvtransfer.backends import make_transport
 from pdserve.kvtransfer.errors import TransferError
+from pdserve.kvtransfer.registered import open_plane
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.prefill_service.metrics import PrefillMetrics
 from pdserve.prefill_service.observe import JobWatch, PrefillObserver
@@ -57,13 +58,17 @@ class PrefillWorker:
         max_queued: int = 1024,
         transfer_timeout: float = 60.0,
         observer: PrefillObserver | None = None,
+        kv_plane: str = "auto",
     ) -> None:
         self.observer = observer or PrefillObserver()
         self.loop = EngineLoop(lambda: EngineCore(cfg), self.role, layer_hooks=self._layer_hooks, on_step=self._on_step)
         self.core = self.loop.core
         self.model_name = self.core.model_config.name
         self.layout = self.core.layout
-        self.sender = KVSender(self.core.kv_cache, self.layout, make_transport(transport), timeout=transfer_timeout)
+        registered = open_plane(self.core.kv_cache, self.layout, transport, kv_plane, self.role)
+        self.sender = KVSender(
+            self.core.kv_cache, self.layout, make_transport(transport), timeout=transfer_timeout, registered=registered
+        )
         self.max_queued = max_queued
         self.metrics.bind_state(lambda: self.core.stats().running + len(self._finishing), self.core.stats)
         self.requests_total = 0

@@ -16,6 +16,15 @@ LAYOUT = dict(model="test-model", dtype="float32", num_layers=4, block_size=4, n
 SECRET = "the-receivers-secret"
 
 
+def _plane(transport_name: str, cache: torch.Tensor, layout, role: str):
+    """`ucx+one-sided` names the UCX transport with registered caches; a bare name is the staged path."""
+    from pdserve.kvtransfer.backends import make_transport
+    from pdserve.kvtransfer.registered import open_plane
+
+    name, _, plane = transport_name.partition("+")
+    return make_transport(name), open_plane(cache, layout, name, plane or "staged", role)
+
+
 def make_cache(num_blocks: int, seed: int | None, layout: dict) -> torch.Tensor:
     shape = (layout["num_layers"], 2, num_blocks, layout["block_size"], layout["num_kv_heads"], layout["head_dim"])
     dtype, device = getattr(torch, layout["dtype"]), layout.get("device", "cpu")
@@ -32,15 +41,15 @@ def _other_tasks() -> list[str]:
 
 def receiver_main(pipe, transport_name: str, layout: dict, num_blocks: int, timeout: float) -> None:
     from pdserve.kernels.kv_layout import KVLayout
-    from pdserve.kvtransfer.backends import make_transport, shutdown_transports
+    from pdserve.kvtransfer.backends import shutdown_transports
     from pdserve.kvtransfer.receiver import KVReceiver
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         cache = make_cache(num_blocks, None, layout)
-        recv = KVReceiver(
-            cache, KVLayout(**layout, num_blocks=num_blocks), make_transport(transport_name), timeout=timeout
-        )
+        kv_layout = KVLayout(**layout, num_blocks=num_blocks)
+        transport, registered = _plane(transport_name, cache, kv_layout, "decode")
+        recv = KVReceiver(cache, kv_layout, transport, timeout=timeout, registered=registered)
         await recv.start()
         commands: asyncio.Queue = asyncio.Queue()
         threading.Thread(target=lambda: _pump(pipe, loop, commands), daemon=True).start()
@@ -109,7 +118,6 @@ def sender_main(
     be killed.
     """
     from pdserve.kernels.kv_layout import KVLayout
-    from pdserve.kvtransfer.backends import make_transport
     from pdserve.kvtransfer.sender import KVSender
 
     async def one(sender, rid, src, dst) -> None:
@@ -134,12 +142,10 @@ def sender_main(
 
     async def main() -> None:
         cache = make_cache(num_blocks, seed, layout)
+        kv_layout = KVLayout(**layout, num_blocks=num_blocks)
+        transport, registered = _plane(transport_name, cache, kv_layout, "prefill")
         sender = KVSender(
-            cache,
-            KVLayout(**layout, num_blocks=num_blocks),
-            make_transport(transport_name),
-            timeout=timeout,
-            max_inflight_bytes=64 << 10,
+            cache, kv_layout, transport, timeout=timeout, max_inflight_bytes=64 << 10, registered=registered
         )
         await asyncio.gather(*(one(sender, *job) for job in jobs))
         pipe.send(("connections", sender.num_connections))

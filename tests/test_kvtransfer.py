@@ -22,10 +22,15 @@ WAIT = 30.0
 
 
 def _transports() -> list[str]:
-    return (["ucx"] if importlib.util.find_spec("ucxx") else []) + ["tcp"]
+    """tcp; ucx (staged); ucx+one-sided (registered caches, NIXL) where those are installed."""
+    ucx = ["ucx"] if importlib.util.find_spec("ucxx") else []
+    if ucx and (importlib.util.find_spec("nixl_cu13") or importlib.util.find_spec("nixl_cu12")):
+        ucx.append("ucx+one-sided")
+    return ucx + ["tcp"]
 
 
 TRANSPORTS = pytest.mark.parametrize("transport", _transports())
+PATH = {"tcp": "tcp", "ucx": "staged", "ucx+one-sided": "one-sided"}
 
 
 class Peer:
@@ -135,7 +140,9 @@ def test_blocks_arrive_bit_exact_with_several_requests_in_flight(transport, devi
             assert torch.equal(got, source[:, :, src]), rid
             assert done[rid]["bytes"] == LAYOUT["num_layers"] * 2 * len(src) * block_bytes
             assert done[rid]["layers"] == LAYOUT["num_layers"]
+            assert done[rid]["path"] == PATH[transport], "the receiver says which path the blocks took"
         assert {m[1] for m in sent} == {j[0] for j in JOBS}
+        assert {m[2]["path"] for m in sent} == {PATH[transport]}
         assert _stop_receiver(recv) == []
     finally:
         recv.stop()

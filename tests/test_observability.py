@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import math
@@ -19,6 +20,8 @@ from pdserve.tracing import Tracing, TracingConfig, inject
 from tests.stack import scrape
 
 N = 3
+# the stack's workers register their caches where NIXL is installed (--kv-plane auto)
+PATH = "one-sided" if importlib.util.find_spec("nixl_cu13") or importlib.util.find_spec("nixl_cu12") else "staged"
 PROMPTS = ["The tide came in and", "Write one line about a lighthouse keeper who", "Count: one, two,"]
 
 
@@ -135,6 +138,8 @@ async def test_one_trace_per_request_across_three_processes(observed_stack, mode
         assert send.attributes["kv.layers"] == json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
         assert send.attributes["kv.blocks"] == math.ceil(result.prompt_tokens / 16)
         assert send.attributes["kv.gbps"] > 0 and send.attributes["kv.transport"] == "ucx"
+        assert send.attributes["kv.path"] == receive.attributes["kv.path"] == PATH
+        assert 0 < send.attributes["kv.tail_seconds"] <= send.attributes["kv.seconds"]
         stream = only("decode.stream")
         assert stream.attributes["pdserve.completion_tokens"] == result.completion_tokens == 6
         assert stream.attributes["pdserve.finish_reason"] == "length"
@@ -163,6 +168,9 @@ async def test_one_trace_per_request_across_three_processes(observed_stack, mode
     assert delta("prefill", "pdserve_prefill_queue_time_seconds_count") == N
     assert delta("prefill", "pdserve_kv_transfer_sent_bytes_total") == shipped
     assert delta("prefill", "pdserve_kv_transfer_seconds_count") == N
+    assert delta("prefill", "pdserve_kv_transfers_sent_total", path=PATH) == N
+    assert delta("decode", "pdserve_kv_transfers_received_total", path=PATH) == N
+    assert delta("decode", "pdserve_kv_transfer_receive_tail_seconds_count") == N
     assert delta("prefill", "pdserve_prefill_prompt_tokens_total") == sum(r.prompt_tokens for r in done)
     assert delta("prefill", "pdserve_prefill_batch_tokens_count") >= 1
     idle = scrape(stack.metrics["decode"])

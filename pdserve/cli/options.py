@@ -193,6 +193,14 @@ class EngineOptions:
     kv_transport: str = option(
         "ucx", "how KV moves between workers", choices=("ucx", "tcp"), env=("PDSERVE_KV_TRANSPORT",)
     )
+    kv_plane: str = option(
+        "auto",
+        "with ucx: one-sided (each cache registered once; decode reads prefill's blocks straight into its own), "
+        "staged (blocks copied through messages), or auto: one-sided where NIXL can register the cache's memory "
+        "(logged at start-up)",
+        choices=("auto", "one-sided", "staged"),
+        env=("PDSERVE_KV_PLANE",),
+    )
     kv_data_ports: str | None = option(
         None,
         "TCP port range LO-HI for UCX's data paths (default: any free port; pin it where a firewall or a "

@@ -304,7 +304,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
             from pdserve.prefill_service.server import serve as serve_prefill
 
             running, worker = await serve_prefill(
-                cfg, args.host, args.port, args.kv_transport, tracing=tracing, reflection=args.reflection, tls=tls
+                cfg,
+                args.host,
+                args.port,
+                args.kv_transport,
+                tracing=tracing,
+                reflection=args.reflection,
+                tls=tls,
+                kv_plane=engine.kv_plane,
             )
         else:
             from pdserve.decode_service.server import serve as serve_decode
@@ -328,6 +335,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 allowed_prefill=[a for a in decode.prefill.split(",") if a],
                 local_prefill_max_tokens=local.local_prefill_max_tokens,
                 threads_while_prefilling=decode.threads_while_prefilling,
+                kv_plane=engine.kv_plane,
             )
         metrics = _metrics_server(args, worker.metrics.registry, tls is not None)
         print(f"pdserve {args.command} ready on {args.host}:{running.port}", flush=True)
