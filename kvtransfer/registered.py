@@ -12,7 +12,9 @@ memory, and no peer can make it write anywhere but its own reservation; a sender
 the receivers it chose to connect to.
 
 One thread owns each agent (NIXL's agent is not thread-safe in the mode used here): it posts operations, polls
-them, and progresses UCX every millisecond while peers are connected. NIXL's own progress thread would spin a core.
+them, and progresses UCX while peers are connected: every millisecond for a while after one connects (wire-up needs
+both sides), then every 50 ms (a kernel copy or an RDMA read needs nothing of the side read from; waking every
+millisecond took the cores a forward pass runs on). NIXL's own progress thread would spin a core.
 The event loops never copy KV bytes: copies run inside UCX on that thread (with CMA between processes on one host,
 the kernel copies; on GPU hosts, CUDA IPC or RDMA).
 """
@@ -46,7 +48,9 @@ ONE_SIDED = "one-sided"
 STAGED = "staged"
 PLANES = ("auto", ONE_SIDED, STAGED)
 
-PROGRESS_S = 1e-3  # UCX progress while peers are connected and nothing is in flight
+PROGRESS_S = 1e-3  # UCX progress while peers are connected and nothing is in flight, just after one connected
+IDLE_PROGRESS_S = 50e-3  # ... and once the connections are up
+WIRE_UP_S = 2.0  # how long "just after" is
 POLL_S = 20e-6  # between polls of operations in flight
 MAX_METADATA = 48 << 10  # bytes of a peer's agent metadata this side accepts
 # ucxx sets UCX_RNDV_THRESH=8192 for its own context when it is imported; with it UCX emulates one-sided gets in
@@ -168,6 +172,7 @@ class _AgentThread:
     def __init__(self, agent: Any) -> None:
         self.agent = agent
         self.connected = 0  # peers using this agent: progress UCX while any are
+        self._wire_up_until = 0.0
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._reads: list[_Read] = []
         self._cond = threading.Condition()
@@ -188,6 +193,8 @@ class _AgentThread:
     def connect(self, delta: int) -> None:
         with self._cond:
             self.connected += delta
+            if delta > 0:
+                self._wire_up_until = time.monotonic() + WIRE_UP_S
             self._cond.notify()
 
     def track(self, read: _Read) -> None:
@@ -198,7 +205,7 @@ class _AgentThread:
         while True:
             with self._cond:
                 if not self._calls and not self._reads and not self._stopping:
-                    self._cond.wait(PROGRESS_S if self.connected else None)
+                    self._cond.wait(self._progress_interval())
                 if self._stopping and not self._calls and not self._reads:
                     return
                 calls = list(self._calls)
@@ -215,6 +222,11 @@ class _AgentThread:
                     time.sleep(POLL_S)
             elif self.connected:
                 self.agent.get_new_notifs()  # progresses UCX: wire-up and software-emulated gets need the peer's
+
+    def _progress_interval(self) -> float | None:
+        if not self.connected:
+            return None
+        return PROGRESS_S if time.monotonic() < self._wire_up_until else IDLE_PROGRESS_S
 
     def _poll(self) -> None:
         now = time.perf_counter()
