@@ -16,6 +16,8 @@ from torch import nn
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.config import ModelConfig
 from pdserve.kernels.activation import silu_and_mul
+from pdserve.kernels.cpu_decoder_layer import DecodeLayers, LayerShape, LayerWeights
+from pdserve.kernels.quant_linear import QuantLinear
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.rotary import apply_rope, rope_cache, rope_for_positions
 
@@ -102,6 +104,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.decode_layers: DecodeLayers | None = None
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer(
@@ -121,6 +124,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         rope = rope_for_positions(self.rope, positions, x.dtype)
+        fused = self.decode_layers
+        if fused is not None and len(meta.seq_lens) == x.shape[0] and fused.takes(x, kv_caches):
+            # one token per sequence: the whole layer stack in one C call per layer
+            x = fused.run(x, *rope, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens, layer_hook)
+            return self.model.norm(x)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, kv_caches[i], meta, backend)
             if layer_hook is not None:
@@ -137,6 +145,28 @@ class LlamaForCausalLM(nn.Module):
                 module.rope_op = rope_op
             elif isinstance(module, MLP):
                 module.act_op = act_op
+
+    def layer_weights(self) -> list[LayerWeights] | str:
+        """Every layer's norms and packed projections, as `DecodeLayers` takes them; or why they cannot be."""
+        out: list[LayerWeights] = []
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+            if not (
+                isinstance(qkv, QuantLinear)
+                and isinstance(o, QuantLinear)
+                and isinstance(gate_up, QuantLinear)
+                and isinstance(down, QuantLinear)
+            ):
+                return "linear layers not on cpu_linear.c"
+            norms = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+            out.append(LayerWeights(*norms, qkv, o, gate_up, down))
+        return out
+
+    def layer_shape(self) -> LayerShape:
+        c = self.config
+        return LayerShape(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model's dtype: the sampler converts what it needs (greedy decoding takes the argmax as is)."""

@@ -20,7 +20,7 @@ from pdserve.engine.model import LlamaForCausalLM, load_model
 from pdserve.engine.model_store import cache_dir, gguf_source, resolve_model
 from pdserve.engine.sampler import SampleOutput, Sampler, SamplingError
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.kernels import cpu_elementwise, cpu_isa, quant_linear
+from pdserve.kernels import cpu_decoder_layer, cpu_elementwise, cpu_isa, quant_linear
 from pdserve.kernels.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,8 @@ class ModelRunner:
             keep_freed_memory()
         model = model.to(device)
         weight_format.check(cfg.quantization, device.type)
+        kernels: quant_linear.CpuLinear | None = None
+        ops: cpu_elementwise.CpuElementwise | None = None
         if device.type == "cpu":
             log.info("CPU level %s (%s)", cpu_isa.level(), f"capped by {cpu_isa.ENV}" if cpu_isa.cap() else "detected")
             wants_kernels = cfg.quantization != "none" or (
@@ -93,7 +95,33 @@ class ModelRunner:
             layout.block_size,
             layout.num_blocks * layout.block_nbytes / 2**20,
         )
-        return cls(model, layout, cfg.attention_backend, device)
+        runner = cls(model, layout, cfg.attention_backend, device)
+        if ops is not None and kernels is not None and cfg.fused_decode_layers:
+            log.info("decode steps: %s", runner._fuse_decode_layers(kernels.prompt_rows))
+        return runner
+
+    def _fuse_decode_layers(self, max_rows: int) -> str:
+        """Bind pure decode steps to one C call per layer where everything that call runs is what the eager
+        layer would run (cpu_linear.c, the C element-wise ops, the C attention); say which."""
+        weights = self.model.layer_weights()
+        shape = self.model.layer_shape()
+        why = (
+            weights
+            if isinstance(weights, str)
+            else f"attention backend {self.backend.name}"
+            if self.backend.name != "cpu"
+            else shape.unsupported() or next(filter(None, (w.unsupported(shape) for w in weights)), None)
+        )
+        lib = cpu_decoder_layer.load(cache_dir() / "kernels") if why is None else None
+        if why is None and lib is None:
+            why = f"{cpu_decoder_layer.SOURCE.name} not built"
+        if why is not None or lib is None or isinstance(weights, str):
+            return f"layer by layer in torch and ctypes calls ({why})"
+        layers = cpu_decoder_layer.DecodeLayers(lib, shape, weights, max_rows)
+        if not layers.supports_cache(self.kv_cache):
+            return "layer by layer in torch and ctypes calls (a KV cache the C layer does not take)"
+        self.model.decode_layers = layers
+        return f"one C call per layer ({cpu_decoder_layer.SOURCE.name}) for up to {max_rows} rows"
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
         bs = self.layout.block_size

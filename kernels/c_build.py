@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -39,9 +40,23 @@ def flags(march: str | None = None) -> tuple[str, ...]:
     return (*FLAGS, f"-march={march or cpu_isa.march()}")
 
 
+def _included(source: Path) -> list[Path]:
+    """The sibling files `source` includes by name (a library may compile other kernels' sources into itself)."""
+    seen: list[Path] = []
+    todo = [source]
+    while todo:
+        for name in re.findall(r'^#include "([^"]+)"', todo.pop().read_text(), re.MULTILINE):
+            path = source.parent / name
+            if path.is_file() and path not in seen:
+                seen.append(path)
+                todo.append(path)
+    return seen
+
+
 def _sources_key(source: Path, extra: list[str]) -> str:
-    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources may include
-    return hashlib.sha256("\0".join([source.read_text(), *headers, *extra]).encode()).hexdigest()[:16]
+    headers = sorted({*source.parent.glob("*.h"), *_included(source)})  # what the source may include
+    texts = [source.read_text(), *(h.read_text() for h in headers)]
+    return hashlib.sha256("\0".join([*texts, *extra]).encode()).hexdigest()[:16]
 
 
 def prebuilt_name(source: Path, level: str, defines: tuple[str, ...] = ()) -> str:
@@ -142,12 +157,13 @@ def prebuild(sources: list[Path], folder: Path) -> list[Path]:
 def main() -> None:
     import argparse
 
-    from pdserve.kernels import cpu_elementwise, cpu_paged_attention, quant_linear
+    from pdserve.kernels import cpu_decoder_layer, cpu_elementwise, cpu_paged_attention, quant_linear
 
     parser = argparse.ArgumentParser(description="prebuild the C kernels for every CPU level (for images)")
     parser.add_argument("--prebuild", type=Path, required=True, help="folder to put the libraries in")
     args = parser.parse_args()
-    for path in prebuild([cpu_elementwise.SOURCE, cpu_paged_attention.SOURCE, quant_linear.SOURCE], args.prebuild):
+    sources = [cpu_elementwise.SOURCE, cpu_paged_attention.SOURCE, quant_linear.SOURCE, cpu_decoder_layer.SOURCE]
+    for path in prebuild(sources, args.prebuild):
         print(path)
 
 
