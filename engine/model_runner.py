@@ -75,9 +75,7 @@ class ModelRunner:
         ops: cpu_elementwise.CpuElementwise | None = None
         if device.type == "cpu":
             log.info("CPU level %s (%s)", cpu_isa.level(), f"capped by {cpu_isa.ENV}" if cpu_isa.cap() else "detected")
-            wants_kernels = cfg.quantization != "none" or (
-                dtype == torch.bfloat16 and not weight_format.native_bf16_gemm()
-            )
+            wants_kernels = cfg.quantization != "none" or dtype == torch.bfloat16
             kernels = quant_linear.load(cache_dir() / "kernels") if wants_kernels else None
             gguf = gguf_source(resolve_model(cfg.model)) if cfg.quantization == "gguf" else None
             log.info("%s", weight_format.apply(model, cfg.quantization, dtype, kernels, gguf))
@@ -97,10 +95,10 @@ class ModelRunner:
         )
         runner = cls(model, layout, cfg.attention_backend, device)
         if ops is not None and kernels is not None and cfg.fused_decode_layers:
-            log.info("decode steps: %s", runner._fuse_decode_layers(kernels.prompt_rows))
+            log.info("decode steps: %s", runner._fuse_decode_layers())
         return runner
 
-    def _fuse_decode_layers(self, max_rows: int) -> str:
+    def _fuse_decode_layers(self) -> str:
         """Bind pure decode steps to one C call per layer where everything that call runs is what the eager
         layer would run (cpu_linear.c, the C element-wise ops, the C attention); say which."""
         weights = self.model.layer_weights()
@@ -117,6 +115,7 @@ class ModelRunner:
             why = f"{cpu_decoder_layer.SOURCE.name} not built"
         if why is not None or lib is None or isinstance(weights, str):
             return f"layer by layer in torch and ctypes calls ({why})"
+        max_rows = min(lin.decode_rows for w in weights for lin in (w.qkv, w.o, w.gate_up, w.down))
         layers = cpu_decoder_layer.DecodeLayers(lib, shape, weights, max_rows)
         if not layers.supports_cache(self.kv_cache):
             return "layer by layer in torch and ctypes calls (a KV cache the C layer does not take)"

@@ -133,7 +133,7 @@ def apply(
     linears = _linears(model)
     if quantization == "none" and dtype == torch.float32:
         return "linear layers: torch fp32 GEMM"
-    if quantization == "none" and (dtype != torch.bfloat16 or kernels is None or native_bf16_gemm()):
+    if quantization == "none" and (dtype != torch.bfloat16 or kernels is None):
         packed = pack_linears(model)
         if packed:
             return f"linear layers: oneDNN packed {str(dtype).removeprefix('torch.')} ({packed})"
@@ -158,13 +158,18 @@ def apply(
     for name, lin in linears.items():
         if quantization == "gguf":
             b = blocks[name]
-        elif quantization == "none":
-            b = quant_linear.quantize(lin.weight.detach(), "bf16")
+        elif quantization == "none":  # where oneDNN has bf16 hardware, prompts run on it over the same tensor
+            b = quant_linear.quantize(lin.weight.detach(), "bf16_rows" if native_bf16_gemm() else "bf16")
         else:
             b = quant_linear.quantize(lin.weight.detach().float(), quantization)
         _replace(model, name, QuantLinear(b, lin.bias, kernels))
         formats[b.fmt] += 1
     what = ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items()))
+    if set(formats) == {"bf16_rows"}:
+        return (
+            f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}) up to {quant_linear.BF16_ROWS_DECODE} rows, "
+            "oneDNN's bf16 GEMM on the same tensors above"
+        )
     return (
         f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}) up to {kernels.prompt_rows} rows, "
         "the fp32 GEMM over the dequantized weight above"

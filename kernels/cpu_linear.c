@@ -40,7 +40,7 @@ typedef float vf __attribute__((vector_size(VL * 4)));
 typedef _Float16 v16h __attribute__((vector_size(32)));
 typedef float v16f __attribute__((vector_size(64)));
 
-enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4 };
+enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4, BF16_ROWS = 5 };
 #define G 16
 #define NV (G / VL) /* vectors per group row */
 #define RT (8 / NV) /* rows per register tile: 8 accumulators cover the FMA latency */
@@ -340,10 +340,153 @@ static void store_rows(const float *acc, int rows, int cols, const float *bias, 
     }
 }
 
+/* bf16_rows: the weight as torch holds it, W [N][K] bf16 row-major, for CPUs where oneDNN multiplies bf16 in
+ * hardware and runs prompt shapes on the same tensor. Each output is a dot product along K; tiles of R rows by 4
+ * columns share every load. With AVX512-BF16 and bf16 activations, pairs of products go through vdpbf16ps (each
+ * bf16 x bf16 product is exact in fp32, so only the order of the fp32 sums differs); elsewhere the weight is
+ * widened to fp32 and multiplied by fp32 FMAs. A thread's tiles are one contiguous run of rows, read with the
+ * same prefetch distance as the packed formats. */
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+
+static inline vf widen_bf16_vec(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    vu u = __builtin_convertvector(h, vu) << 16;
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float hsum(vf v) {
+    float lane[VL], s = 0;
+    memcpy(lane, &v, sizeof lane);
+    for (int i = 0; i < VL; i++) s += lane[i];
+    return s;
+}
+
+static inline __attribute__((always_inline)) void tile_rows_f32(const float *x, int64_t ldx, const int R, int64_t K,
+                                                                const uint16_t *const *wc, float out[4][4]) {
+    vf acc[4][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = (vf){0};
+    int64_t k = 0;
+    for (; k + VL <= K; k += VL) {
+        vf wv[4];
+        if (k % 32 == 0)
+            for (int c = 0; c < 4; c++) __builtin_prefetch((const char *)(wc[c] + k) + PREFETCH);
+        for (int c = 0; c < 4; c++) wv[c] = widen_bf16_vec(wc[c] + k);
+        for (int r = 0; r < R; r++) {
+            vf xv = ldv(x + r * ldx + k);
+            for (int c = 0; c < 4; c++) acc[r][c] += xv * wv[c];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) {
+            float s = hsum(acc[r][c]);
+            for (int64_t j = k; j < K; j++) s += x[r * ldx + j] * bf16_to_f32(wc[c][j]);
+            out[r][c] = s;
+        }
+}
+
+#if defined(__AVX512BF16__)
+/* Column by column (each a sequential run of K values), two accumulators per row so that consecutive vdpbf16ps
+ * do not wait on each other. */
+static inline __attribute__((always_inline)) void tile_rows_dp(const uint16_t *x, int64_t ldx, const int R, int64_t K,
+                                                               const uint16_t *const *wc, float out[4][4]) {
+    for (int c = 0; c < 4; c++) {
+        __m512 a0[4], a1[4];
+        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+        const uint16_t *wr = wc[c];
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64) {
+            __builtin_prefetch((const char *)(wr + k) + PREFETCH);
+            __builtin_prefetch((const char *)(wr + k) + PREFETCH + 64);
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k), w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
+            for (int r = 0; r < R; r++) {
+                a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)_mm512_loadu_si512(x + r * ldx + k), w0);
+                a1[r] = _mm512_dpbf16_ps(a1[r], (__m512bh)_mm512_loadu_si512(x + r * ldx + k + 32), w1);
+            }
+        }
+        for (; k < K; k += 32) {
+            const __mmask32 live = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
+            __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(live, wr + k);
+            for (int r = 0; r < R; r++)
+                a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)_mm512_maskz_loadu_epi16(live, x + r * ldx + k), w0);
+        }
+        for (int r = 0; r < R; r++) out[r][c] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+    }
+}
+#endif
+
+static int linear_bf16_rows(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint16_t *w,
+                            int64_t N, const float *bias, void *yout, int64_t ldy, int y_bf16, int nthreads) {
+    const float *x = xin;
+    float *scratch = NULL;
+#if defined(__AVX512BF16__)
+    const int dp = x_bf16;
+#else
+    const int dp = 0;
+#endif
+    if (x_bf16 && !dp) {
+        scratch = malloc(sizeof(float) * M * K);
+        if (!scratch) return -2;
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t k = 0; k < K; k++) scratch[r * K + k] = bf16_to_f32(((const uint16_t *)xin)[r * ldx + k]);
+        x = scratch, ldx = K;
+    }
+    const int64_t tiles = (N + 3) / 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * 4;
+        const int cols = N - n0 < 4 ? (int)(N - n0) : 4;
+        const uint16_t *wc[4];
+        for (int c = 0; c < 4; c++) wc[c] = w + (n0 + (c < cols ? c : 0)) * K; /* a short tile re-reads column 0 */
+        for (int64_t r0 = 0; r0 < M; r0 += 4) {
+            const int R = M - r0 < 4 ? (int)(M - r0) : 4;
+            float out[4][4];
+#if defined(__AVX512BF16__)
+            if (dp) {
+                const uint16_t *xr = (const uint16_t *)xin + r0 * ldx;
+                switch (R) {
+                case 1: tile_rows_dp(xr, ldx, 1, K, wc, out); break;
+                case 2: tile_rows_dp(xr, ldx, 2, K, wc, out); break;
+                case 3: tile_rows_dp(xr, ldx, 3, K, wc, out); break;
+                default: tile_rows_dp(xr, ldx, 4, K, wc, out);
+                }
+            } else
+#endif
+            {
+                const float *xr = x + r0 * ldx;
+                switch (R) {
+                case 1: tile_rows_f32(xr, ldx, 1, K, wc, out); break;
+                case 2: tile_rows_f32(xr, ldx, 2, K, wc, out); break;
+                case 3: tile_rows_f32(xr, ldx, 3, K, wc, out); break;
+                default: tile_rows_f32(xr, ldx, 4, K, wc, out);
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < cols; c++) {
+                    float v = out[r][c] + (bias ? bias[n0 + c] : 0.0f);
+                    int64_t at = (r0 + r) * ldy + n0 + c;
+                    if (y_bf16)
+                        ((uint16_t *)yout)[at] = f32_to_bf16(v);
+                    else
+                        ((float *)yout)[at] = v;
+                }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
 /* y = x W^T + bias. x [M, K] with row stride ldx, y [M, N] with row stride ldy, each fp32 or (x_bf16, y_bf16)
  * bf16, as torch holds them: bf16 activations are widened once here, not by the caller. */
 int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int fmt, int64_t N,
            const float *bias, void *yout, int64_t ldy, int y_bf16, int nthreads) {
+    if (fmt == BF16_ROWS && M >= 0 && K > 0 && N > 0 && ldx >= K && ldy >= N)
+        return M ? linear_bf16_rows(xin, ldx, x_bf16, M, K, (const uint16_t *)w, N, bias, yout, ldy, y_bf16, nthreads)
+                 : 0;
     int64_t bb = block_nbytes(fmt);
     if (bb < 0 || M < 0 || K <= 0 || N <= 0 || ldx < K || ldy < N) return -1;
     if (M == 0) return 0;
@@ -414,6 +557,13 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
 /* The whole weight as fp32, transposed: out [K, N] row-major, so each block row is a run of vector stores
  * (prompt shapes run torch's fp32 GEMM over it). */
 int dequantize(const uint8_t *w, int fmt, int64_t N, int64_t K, float *out, int nthreads) {
+    if (fmt == BF16_ROWS && K > 0 && N > 0) {
+        const uint16_t *wr = (const uint16_t *)w;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t n = 0; n < N; n++) out[k * N + n] = bf16_to_f32(wr[n * K + k]);
+        return 0;
+    }
     int64_t bb = block_nbytes(fmt);
     if (bb < 0 || K <= 0 || N <= 0) return -1;
     int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G;

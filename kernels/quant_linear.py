@@ -25,9 +25,11 @@ from torch import nn
 from pdserve.kernels import c_build, cpu_isa
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
-FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4}
+FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "bf16_rows": 5}
+PLAIN = ("f32", "bf16", "bf16_rows")  # formats that hold the weight as it is
 GROUP, BLOCK = 16, 32
 PROMPT_ROWS = {"avx512": 128, "avx2": 128, "portable": 32}  # more rows: the fp32 GEMM over the dequantized weight
+BF16_ROWS_DECODE = 8  # bf16_rows: more rows than this go to oneDNN's bf16 GEMM on the same tensor
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -47,7 +49,7 @@ class Blocks:
     @property
     def nbytes(self) -> int:
         """Bytes as a GGUF file stores it."""
-        if self.fmt in ("f32", "bf16"):
+        if self.fmt in PLAIN:
             return self.q.numel() * self.q.element_size()
         per_block = {"q8_0": 34, "q4_0": 18, "q4_1": 20}[self.fmt]
         return self.n * self.q.shape[1] * per_block
@@ -69,7 +71,7 @@ def quantize(weight: torch.Tensor, fmt: str) -> Blocks:
     n, k = weight.shape
     if fmt == "f32":
         return Blocks(fmt, n, k, weight.float().contiguous())
-    if fmt == "bf16":
+    if fmt in ("bf16", "bf16_rows"):
         return Blocks(fmt, n, k, weight.to(torch.bfloat16).contiguous())
     x = _blocked(weight)
     if fmt == "q8_0":
@@ -111,7 +113,7 @@ def from_gguf(raw: torch.Tensor, fmt: str, n: int, k: int) -> Blocks:
 
 def dequantize(b: Blocks) -> torch.Tensor:
     """The fp32 [n, k] weight the blocks stand for."""
-    if b.fmt in ("f32", "bf16"):
+    if b.fmt in PLAIN:
         return b.q.float()
     assert b.d is not None
     d = b.d.float()[..., None]
@@ -155,6 +157,8 @@ def pack(b: Blocks) -> torch.Tensor:
         t = F.pad(t, (0,) * (2 * (t.dim() - 1)) + (0, pad)) if pad else t
         return t.reshape(groups, GROUP, *t.shape[1:]).transpose(1, 2)
 
+    if b.fmt == "bf16_rows":  # as torch holds it: [n, k] bf16
+        return b.q.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(-1)
     if b.fmt in ("f32", "bf16"):
         w = b.q.float() if b.fmt == "f32" else b.q.to(torch.bfloat16)
         w = F.pad(w, (0, nb * BLOCK - b.k)).reshape(n, nb, BLOCK)
@@ -250,11 +254,16 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernels = kernels
         self.nbytes = int(self.packed.numel())
+        self.decode_rows = BF16_ROWS_DECODE if self.fmt == "bf16_rows" else kernels.prompt_rows  # on cpu_linear.c
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.kernels.prompt_rows and x.stride(1) == 1 and x.dtype in _KERNEL_DTYPES:
+        if x.dim() == 2 and x.shape[0] <= self.decode_rows and x.stride(1) == 1 and x.dtype in _KERNEL_DTYPES:
             return self.kernels.linear(x, self.packed, self.fmt, self.out_features, self.bias)
         flat = x.reshape(-1, self.in_features)
+        if self.fmt == "bf16_rows" and flat.shape[0] > self.decode_rows:
+            w = self.packed.view(torch.bfloat16).view(self.out_features, self.in_features).to(x.dtype)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(flat, w, bias).view(*x.shape[:-1], self.out_features)
         if flat.shape[0] > self.kernels.prompt_rows:
             wt = self.kernels.dequantize(self.packed, self.fmt, self.out_features, self.in_features, True)
             xf = flat.float()

@@ -103,10 +103,12 @@ def test_fused_parts_of_different_formats_are_held_exactly():
     assert same.fmt == "q4_1" and same.n == 48
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "bf16_rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_layer_runs_prompt_shapes_through_the_fp32_gemm_with_the_same_result(kernels, dtype):
+def test_the_layer_runs_prompt_shapes_through_a_gemm_with_the_same_result(kernels, dtype, fmt):
+    """Prompt rows: the fp32 GEMM over the dequantized weight, or (bf16_rows) torch's GEMM on the same tensor."""
     w = torch.randn(40, 96)
-    blocks = quant_linear.quantize(w, "q4_1")
+    blocks = quant_linear.quantize(w, fmt)
     layer = QuantLinear(blocks, torch.randn(40), kernels)
     x = torch.randn(3, kernels.prompt_rows + 7, 96).to(dtype)  # batched 3-d input, many rows
     ref = F.linear(x.float(), quant_linear.dequantize(blocks), layer.bias)
@@ -122,5 +124,8 @@ def test_the_layer_runs_prompt_shapes_through_the_fp32_gemm_with_the_same_result
 def test_blocks_of_every_format_are_packed_into_whole_groups():
     for fmt in FORMATS:
         b: Blocks = quant_linear.quantize(torch.randn(17, 40), fmt)
+        if fmt == "bf16_rows":  # the weight as torch holds it, no groups
+            assert quant_linear.pack(b).numel() == 17 * 40 * 2
+            continue
         per = {"f32": 2048, "bf16": 1024, "q8_0": 544, "q4_0": 288, "q4_1": 320}[fmt]
         assert quant_linear.pack(b).numel() == 2 * 2 * per  # 2 groups of 16 rows x 2 blocks of 32

@@ -114,23 +114,19 @@ def test_the_flag_reaches_every_command():
         parser.parse_args(["up", "--quantization", "q2_k"])
 
 
-def test_bf16_runs_the_c_kernel_where_onednn_would_emulate_it(tiny_model_dir, tmp_path, monkeypatch):
-    """bf16 without --quantization: oneDNN's packed bf16 GEMM where the CPU has a bf16 matrix unit (AMX or
-    AVX512-BF16: what the README's 2026-12-01 table ran), `cpu_linear.c` in bf16 everywhere else."""
+def test_bf16_runs_the_c_kernel_for_decode_rows_everywhere(tiny_model_dir, tmp_path, monkeypatch):
+    """bf16 without --quantization: `cpu_linear.c` in bf16 for decode rows on every CPU; where the CPU has a bf16
+    matrix unit (AMX or AVX512-BF16) the weight stays as torch holds it (bf16_rows) and prompt rows run oneDNN's
+    bf16 GEMM on that same tensor, elsewhere (oneDNN would emulate bf16) it is packed for the C kernel."""
     from pdserve.engine import weight_format
-    from pdserve.kernels.packed_linear import PackedLinear, can_pack
 
     kernels = quant_linear.load(tmp_path)
     if kernels is None:
         pytest.skip("no C compiler")
-    monkeypatch.setattr(weight_format, "native_bf16_gemm", lambda: False)
-    model = load_model(tiny_model_dir, torch.bfloat16)
-    assert "bf16; cpu_linear.c" in weight_format.apply(model, "none", torch.bfloat16, kernels)
-    assert {m.fmt for m in model.modules() if isinstance(m, QuantLinear)} == {"bf16"}
-    if not can_pack(torch.zeros(4, 4, dtype=torch.bfloat16)):
-        return
-    monkeypatch.setattr(weight_format, "native_bf16_gemm", lambda: True)
-    model = load_model(tiny_model_dir, torch.bfloat16)
-    assert "oneDNN packed bfloat16" in weight_format.apply(model, "none", torch.bfloat16, kernels)
-    assert any(isinstance(m, PackedLinear) for m in model.modules())
-    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    for native, fmt in ((False, "bf16"), (True, "bf16_rows")):
+        monkeypatch.setattr(weight_format, "native_bf16_gemm", lambda native=native: native)
+        model = load_model(tiny_model_dir, torch.bfloat16)
+        assert f"{fmt}; cpu_linear.c" in weight_format.apply(model, "none", torch.bfloat16, kernels)
+        assert {m.fmt for m in model.modules() if isinstance(m, QuantLinear)} == {fmt}
+    embedding = model.model.embed_tokens.weight
+    assert model.lm_head.packed.data_ptr() == embedding.data_ptr()  # the tied head is not copied
