@@ -49,6 +49,9 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4, BF16_ROWS = 5 };
 #ifndef PANEL_ROWS
 #define PANEL_ROWS 8 /* from this many rows on, a group is dequantized whole once and tiled over */
 #endif
+#ifndef ROWS_PREFETCH
+#define ROWS_PREFETCH 4096
+#endif
 #ifndef PREFETCH
 #define PREFETCH 4096 /* bytes ahead: what keeps enough lines in flight for one core to stream at the memory's pace */
 #endif
@@ -238,17 +241,19 @@ static inline void row_one(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, 
 }
 
 #if defined(__AVX512BF16__)
+/* bf16 of 0..15, twice: vpermw looks up the low 5 bits of each word */
+static const uint16_t NIBBLE_BF16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                         0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+                                         0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                         0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
 /* row_one for 4-bit blocks and a bf16 row, with AVX512-BF16: each byte's two nibbles (k = 2p, 2p + 1 of one
  * column) become a pair of bf16 values by one table lookup (vpermw; 0..15 are exact in bf16) and meet the pair
  * x[2p], x[2p + 1] in one vdpbf16ps. The products are exact in fp32, so this is row_one's sum in another order,
  * at about half the instructions per weight. */
 static inline void row_one_q4_dp(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const uint16_t *x, int64_t K,
                                  const float *xs, float *out) {
-    static const uint16_t nibble_bf16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-                                             0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-                                             0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-                                             0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-    const __m512i lut = _mm512_loadu_si512(nibble_bf16);
+    const __m512i lut = _mm512_loadu_si512(NIBBLE_BF16);
     float d[G] __attribute__((aligned(64))) = {0}, m[G] __attribute__((aligned(64))) = {0};
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, blk += bb) {
@@ -277,6 +282,68 @@ static inline void row_one_q4_dp(int fmt, const uint8_t *blk, int64_t bb, int64_
         acc = _mm512_fmadd_ps(_mm512_load_ps(m), _mm512_set1_ps(xs[b]), acc);
     }
     _mm512_storeu_ps(out, acc);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* Up to 8 bf16 rows against one group of 4-bit blocks with vdpbf16ps: each nibble pair is turned into bf16 once
+ * for all the rows, each row's block sum is scaled once per block (d sum x q + m sum x, as row_one); acc[R][16]. */
+static inline __attribute__((always_inline)) void tile_q4_dp(int fmt, const uint8_t *blk, int64_t bb, int64_t nb,
+                                                             const uint16_t *x, int64_t ldx, const int R, int64_t K,
+                                                             const float *xs, float *acc) {
+    const __m512i lut = _mm512_loadu_si512(NIBBLE_BF16);
+    float d[G] __attribute__((aligned(64))) = {0}, m[G] __attribute__((aligned(64))) = {0};
+    __m512 a[8];
+    for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
+    uint16_t tail[8][KB];
+    for (int64_t b = 0; b < nb; b++, blk += bb) {
+        const int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
+        const uint16_t *xr[8];
+        if (kn < KB) { /* K ends inside this block: the missing x are 0 */
+            memset(tail, 0, sizeof tail);
+            for (int r = 0; r < R; r++) memcpy(tail[r], x + r * ldx + b * KB, sizeof(uint16_t) * kn);
+        }
+        for (int r = 0; r < R; r++) xr[r] = kn < KB ? tail[r] : x + r * ldx + b * KB;
+        for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
+        const uint8_t *qs = blk + (fmt == Q4_1 ? 64 : 32);
+        __m512 part[8];
+        for (int r = 0; r < R; r++) part[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int p = 0; p < KB / 2; p++) {
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + p * 16)));
+            __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), lut);
+            for (int r = 0; r < R; r++) {
+                uint32_t pair;
+                memcpy(&pair, xr[r] + 2 * p, sizeof pair);
+                part[r] = _mm512_dpbf16_ps(part[r], wv, (__m512bh)_mm512_set1_epi32((int)pair));
+            }
+        }
+        scales(fmt, blk, d, m);
+        const __m512 dv = _mm512_load_ps(d), mv = _mm512_load_ps(m);
+        for (int r = 0; r < R; r++)
+            a[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nb + b]), _mm512_fmadd_ps(dv, part[r], a[r]));
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * G, a[r]);
+}
+
+static void group_q4_dp(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const uint16_t *x, int64_t ldx,
+                        int rows, int64_t K, const float *xs, float *acc) {
+    for (int r0 = 0; r0 < rows; r0 += 8) {
+        const int R = rows - r0 < 8 ? rows - r0 : 8;
+        const uint16_t *xr = x + r0 * ldx;
+        const float *xsr = xs + r0 * nb;
+        float *ar = acc + r0 * G;
+        switch (R) {
+        case 1: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 1, K, xsr, ar); break;
+        case 2: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 2, K, xsr, ar); break;
+        case 3: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 3, K, xsr, ar); break;
+        case 4: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 4, K, xsr, ar); break;
+        case 5: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 5, K, xsr, ar); break;
+        case 6: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 6, K, xsr, ar); break;
+        case 7: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 7, K, xsr, ar); break;
+        default: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 8, K, xsr, ar);
+        }
+    }
 }
 #endif
 
@@ -443,8 +510,8 @@ static inline __attribute__((always_inline)) void tile_rows_dp(const uint16_t *x
         const uint16_t *wr = wc[c];
         int64_t k = 0;
         for (; k + 64 <= K; k += 64) {
-            __builtin_prefetch((const char *)(wr + k) + PREFETCH);
-            __builtin_prefetch((const char *)(wr + k) + PREFETCH + 64);
+            __builtin_prefetch((const char *)(wr + k) + ROWS_PREFETCH);
+            __builtin_prefetch((const char *)(wr + k) + ROWS_PREFETCH + 64);
             __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k), w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
             for (int r = 0; r < R; r++) {
                 a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)_mm512_loadu_si512(x + r * ldx + k), w0);
@@ -552,7 +619,12 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
         block_sums(x, ldx, M, K, xs, nthreads);
     }
     int64_t tasks = (groups + PAIR - 1) / PAIR;
-    int use_panels = M >= PANEL_ROWS, failed = 0;
+#if defined(__AVX512BF16__)
+    const int dp4 = x_bf16 && minimum; /* 4-bit blocks and bf16 rows: vdpbf16ps, no fp32 panels */
+#else
+    const int dp4 = 0;
+#endif
+    int use_panels = M >= PANEL_ROWS && !dp4, failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         float *panels = use_panels ? aligned_alloc(64, sizeof(float) * PAIR * nb * KB * G) : NULL;
@@ -580,6 +652,15 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
 #endif
                 for (int64_t i = 0; i < n_g; i++) {
                     int64_t g = g0 + i;
+#if defined(__AVX512BF16__)
+                    if (dp4 && rows > 1) {
+                        const uint16_t *xb = (const uint16_t *)xin + r0 * ldx_in;
+                        group_q4_dp(fmt, w + g * nb * bb, bb, nb, xb, ldx_in, rows, K, xsr, acc0);
+                        store_rows(acc0, rows, N - g * G < G ? (int)(N - g * G) : G, bias, yout, ldy, y_bf16, r0,
+                                   g * G);
+                        continue;
+                    }
+#endif
                     if (rows < 4)
                         for (int r = 0; r < rows; r++) {
 #if defined(__AVX512BF16__)
