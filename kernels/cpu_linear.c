@@ -590,6 +590,15 @@ static int linear_bf16_rows(const void *xin, int64_t ldx, int x_bf16, int64_t M,
     return 0;
 }
 
+/* What this build computes with: 1 = vdpbf16ps (AVX512-BF16) for bf16 activations. */
+int features(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* y = x W^T + bias. x [M, K] with row stride ldx, y [M, N] with row stride ldy, each fp32 or (x_bf16, y_bf16)
  * bf16, as torch holds them: bf16 activations are widened once here, not by the caller. */
 int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int fmt, int64_t N,

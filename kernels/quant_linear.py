@@ -189,6 +189,7 @@ class CpuLinear:
         self._dequant.argtypes, self._dequant.restype = [_P, _I, _I64, _I64, _P, _I], _I
         self._scratch = torch.empty(0)
         self.prompt_rows = PROMPT_ROWS[level]  # where this level's kernel stops beating dequantize + torch's GEMM
+        self.bf16_dot = bool(lib.features() & 1)  # vdpbf16ps: bf16 rows against 4-bit blocks at twice fp32's rate
 
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, fmt: str, n: int, bias: torch.Tensor | None
@@ -255,11 +256,17 @@ class QuantLinear(nn.Module):
         self.kernels = kernels
         self.nbytes = int(self.packed.numel())
         self.decode_rows = BF16_ROWS_DECODE if self.fmt == "bf16_rows" else kernels.prompt_rows  # on cpu_linear.c
+        # bf16 rows against 4-bit blocks with vdpbf16ps beat dequantizing for the fp32 GEMM at any length
+        self.bf16_rows = 1 << 30 if kernels.bf16_dot and self.fmt in ("q4_0", "q4_1") else self.decode_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.decode_rows and x.stride(1) == 1 and x.dtype in _KERNEL_DTYPES:
+        limit = self.bf16_rows if x.dtype == torch.bfloat16 else self.decode_rows
+        if x.dim() == 2 and x.shape[0] <= limit and x.stride(1) == 1 and x.dtype in _KERNEL_DTYPES:
             return self.kernels.linear(x, self.packed, self.fmt, self.out_features, self.bias)
         flat = x.reshape(-1, self.in_features)
+        if flat.shape[0] <= limit and x.dtype == torch.bfloat16 and flat.stride(-1) == 1:
+            out = self.kernels.linear(flat, self.packed, self.fmt, self.out_features, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.fmt == "bf16_rows" and flat.shape[0] > self.decode_rows:
             w = self.packed.view(torch.bfloat16).view(self.out_features, self.in_features).to(x.dtype)
             bias = None if self.bias is None else self.bias.to(x.dtype)

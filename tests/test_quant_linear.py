@@ -12,6 +12,7 @@ from pdserve.kernels import cpu_isa, quant_linear
 from pdserve.kernels.quant_linear import FORMATS, Blocks, QuantLinear
 
 LEVELS = [lv for lv in cpu_isa.LEVELS if cpu_isa.LEVELS.index(lv) <= cpu_isa.LEVELS.index(cpu_isa.detected())]
+LEVELS.append("native")  # -march=native: what this CPU has beyond its level (AVX512-BF16's vdpbf16ps paths)
 SHAPES = [  # (rows, out, in): one row, the 4- and 8-row tiles and their remainders, more than a 64-row chunk
     (1, 16, 32),
     (1, 37, 100),
@@ -27,7 +28,10 @@ SHAPES = [  # (rows, out, in): one row, the 4- and 8-row tiles and their remaind
 def kernels(request, tmp_path_factory):
     """`cpu_linear.c` built for one level (the cap chooses -march), as the engine would load it there."""
     mp = pytest.MonkeyPatch()
-    mp.setenv(cpu_isa.ENV, request.param)
+    if request.param == "native":
+        mp.delenv(cpu_isa.ENV, raising=False)
+    else:
+        mp.setenv(cpu_isa.ENV, request.param)
     lib = quant_linear.load(tmp_path_factory.mktemp(f"kernels-{request.param}"))
     mp.undo()
     if lib is None:
@@ -129,3 +133,16 @@ def test_blocks_of_every_format_are_packed_into_whole_groups():
             continue
         per = {"f32": 2048, "bf16": 1024, "q8_0": 544, "q4_0": 288, "q4_1": 320}[fmt]
         assert quant_linear.pack(b).numel() == 2 * 2 * per  # 2 groups of 16 rows x 2 blocks of 32
+
+
+def test_the_native_build_multiplies_bf16_pairs_where_the_cpu_can(tmp_path, monkeypatch):
+    """vdpbf16ps paths exist only in a -march=native build on a CPU with AVX512-BF16 (no ISA level includes it),
+    so the "native" rows above are what test them."""
+    monkeypatch.delenv(cpu_isa.ENV, raising=False)
+    lib = quant_linear.load(tmp_path)
+    if lib is None:
+        pytest.skip("no C compiler")
+    has = cpu_isa.detected() == "avx512" and "avx512_bf16" in cpu_isa.cpu_flags()
+    assert lib.bf16_dot == has
+    monkeypatch.setenv(cpu_isa.ENV, "avx512")
+    assert not quant_linear.load(tmp_path / "capped").bf16_dot  # type: ignore[union-attr]
