@@ -137,7 +137,9 @@ def _linear_modules(model: torch.nn.Module) -> list:
     from pdserve.kernels.packed_linear import PackedLinear
     from pdserve.kernels.quant_linear import QuantLinear
 
-    return [m for m in model.modules() if isinstance(m, torch.nn.Linear | QuantLinear | PackedLinear)]
+    second = {id(m.prompt) for m in model.modules() if isinstance(m, QuantLinear) and m.prompt is not None}
+    kinds = torch.nn.Linear | QuantLinear | PackedLinear
+    return [m for m in model.modules() if isinstance(m, kinds) and id(m) not in second]
 
 
 def main() -> None:

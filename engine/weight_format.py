@@ -22,7 +22,7 @@ from torch import nn
 
 from pdserve.engine.config import QUANTIZATIONS, ModelConfig
 from pdserve.kernels import cpu_isa, quant_linear
-from pdserve.kernels.packed_linear import PackedLinear, pack_linears
+from pdserve.kernels.packed_linear import PackedLinear, can_pack, pack_linears
 from pdserve.kernels.quant_linear import Blocks, CpuLinear, QuantLinear
 
 log = logging.getLogger(__name__)
@@ -162,13 +162,15 @@ def apply(
             b = quant_linear.quantize(lin.weight.detach(), "bf16_rows" if native_bf16_gemm() else "bf16")
         else:
             b = quant_linear.quantize(lin.weight.detach().float(), quantization)
-        _replace(model, name, QuantLinear(b, lin.bias, kernels))
+        # bf16_rows: oneDNN's packed copy for prompt rows and big batches (10-25% faster than on the plain tensor)
+        prompt = PackedLinear(lin) if b.fmt == "bf16_rows" and can_pack(lin.weight) else None
+        _replace(model, name, QuantLinear(b, lin.bias, kernels, prompt))
         formats[b.fmt] += 1
     what = ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items()))
     if set(formats) == {"bf16_rows"}:
         return (
             f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}) up to {quant_linear.BF16_ROWS_DECODE} rows, "
-            "oneDNN's bf16 GEMM on the same tensors above"
+            "oneDNN's packed bf16 GEMM above (the weights are held twice)"
         )
     return (
         f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}) up to {kernels.prompt_rows} rows, "
@@ -179,7 +181,10 @@ def apply(
 def weight_bytes(model: nn.Module) -> int:
     """Bytes a decode step reads for the linear layers' weights (what the weight-bytes limit counts)."""
     total = 0
+    second = {id(m.prompt) for m in model.modules() if isinstance(m, QuantLinear) and m.prompt is not None}
     for m in model.modules():
+        if id(m) in second:  # a prompt-rows copy: decode steps do not read it
+            continue
         if isinstance(m, QuantLinear):
             total += m.nbytes
         elif isinstance(m, nn.Linear):

@@ -29,7 +29,7 @@ FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "bf16_rows": 5}
 PLAIN = ("f32", "bf16", "bf16_rows")  # formats that hold the weight as it is
 GROUP, BLOCK = 16, 32
 PROMPT_ROWS = {"avx512": 128, "avx2": 128, "portable": 32}  # more rows: the fp32 GEMM over the dequantized weight
-BF16_ROWS_DECODE = 8  # bf16_rows: more rows than this go to oneDNN's bf16 GEMM on the same tensor
+BF16_ROWS_DECODE = 8  # bf16_rows: more rows than this go to oneDNN's bf16 GEMM
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -248,8 +248,11 @@ class QuantLinear(nn.Module):
         blocks: Blocks,
         bias: torch.Tensor | None,
         kernels: CpuLinear,
+        prompt: nn.Module | None = None,
     ) -> None:
+        """`prompt`: what rows above `decode_rows` run through instead (bf16_rows: oneDNN's packed GEMM)."""
         super().__init__()
+        self.prompt = prompt
         self.fmt, self.in_features, self.out_features = blocks.fmt, blocks.k, blocks.n
         self.register_buffer("packed", pack(blocks), persistent=False)
         self.bias = None if bias is None else bias.detach().float().contiguous()
@@ -267,6 +270,8 @@ class QuantLinear(nn.Module):
         if flat.shape[0] <= limit and x.dtype == torch.bfloat16 and flat.stride(-1) == 1:
             out = self.kernels.linear(flat, self.packed, self.fmt, self.out_features, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
+        if self.prompt is not None and flat.shape[0] > self.decode_rows:
+            return self.prompt(x)
         if self.fmt == "bf16_rows" and flat.shape[0] > self.decode_rows:
             w = self.packed.view(torch.bfloat16).view(self.out_features, self.in_features).to(x.dtype)
             bias = None if self.bias is None else self.bias.to(x.dtype)
