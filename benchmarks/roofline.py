@@ -90,12 +90,12 @@ def _engine(fmt: str, batch: int):
 
 def measure(fmt: str, bw: float, gemm: float, steps: int) -> list[Row]:
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.engine.weight_format import weight_bytes
+    from pdserve.engine.weight_format import decode_linears, weight_bytes
 
     core = _engine(fmt, 32)
     cfg = core.runner.config
     weights = weight_bytes(core.runner.model)
-    params = sum(m.in_features * m.out_features for m in _linear_modules(core.runner.model))
+    params = sum(m.in_features * m.out_features for m in decode_linears(core.runner.model))
     kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * core.layout.element_size
     rng = random.Random(0)
     rows: list[Row] = []
@@ -131,15 +131,6 @@ def measure(fmt: str, bw: float, gemm: float, steps: int) -> list[Row]:
         flops = 2 * n * params + attn
         rows.append(Row(fmt, f"prefill {n}", ms, flops / gemm * 1e3, "flops"))
     return rows
-
-
-def _linear_modules(model: torch.nn.Module) -> list:
-    from pdserve.kernels.packed_linear import PackedLinear
-    from pdserve.kernels.quant_linear import QuantLinear
-
-    second = {id(m.prompt) for m in model.modules() if isinstance(m, QuantLinear) and m.prompt is not None}
-    kinds = torch.nn.Linear | QuantLinear | PackedLinear
-    return [m for m in model.modules() if isinstance(m, kinds) and id(m) not in second]
 
 
 def main() -> None:

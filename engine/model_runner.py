@@ -101,24 +101,23 @@ class ModelRunner:
     def _fuse_decode_layers(self) -> str:
         """Bind pure decode steps to one C call per layer where everything that call runs is what the eager
         layer would run (cpu_linear.c, the C element-wise ops, the C attention); say which."""
+        eager = "layer by layer in torch and ctypes calls ({})".format
         weights = self.model.layer_weights()
+        if isinstance(weights, str):
+            return eager(weights)
+        if self.backend.name != "cpu":
+            return eager(f"attention backend {self.backend.name}")
         shape = self.model.layer_shape()
-        why = (
-            weights
-            if isinstance(weights, str)
-            else f"attention backend {self.backend.name}"
-            if self.backend.name != "cpu"
-            else shape.unsupported() or next(filter(None, (w.unsupported(shape) for w in weights)), None)
-        )
-        lib = cpu_decoder_layer.load(cache_dir() / "kernels") if why is None else None
-        if why is None and lib is None:
-            why = f"{cpu_decoder_layer.SOURCE.name} not built"
-        if why is not None or lib is None or isinstance(weights, str):
-            return f"layer by layer in torch and ctypes calls ({why})"
-        max_rows = min(lin.decode_rows for w in weights for lin in (w.qkv, w.o, w.gate_up, w.down))
+        why = shape.unsupported() or next(filter(None, (w.unsupported(shape) for w in weights)), None)
+        if why is not None:
+            return eager(why)
+        lib = cpu_decoder_layer.load(cache_dir() / "kernels")
+        if lib is None:
+            return eager(f"{cpu_decoder_layer.SOURCE.name} not built")
+        max_rows = min(lin.bf16_rows for w in weights for lin in (w.qkv, w.o, w.gate_up, w.down))  # bf16 rows
         layers = cpu_decoder_layer.DecodeLayers(lib, shape, weights, max_rows)
         if not layers.supports_cache(self.kv_cache):
-            return "layer by layer in torch and ctypes calls (a KV cache the C layer does not take)"
+            return eager("a KV cache the C layer does not take")
         self.model.decode_layers = layers
         return f"one C call per layer ({cpu_decoder_layer.SOURCE.name}) for up to {max_rows} rows"
 

@@ -178,13 +178,16 @@ def apply(
     )
 
 
+def decode_linears(model: nn.Module) -> list[nn.Linear | QuantLinear | PackedLinear]:
+    """The linear layers a decode step multiplies by: not the prompt-rows copies some QuantLinears hold."""
+    second = {id(m.prompt) for m in model.modules() if isinstance(m, QuantLinear) and m.prompt is not None}
+    return [m for m in model.modules() if isinstance(m, nn.Linear | QuantLinear | PackedLinear) and id(m) not in second]
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes a decode step reads for the linear layers' weights (what the weight-bytes limit counts)."""
     total = 0
-    second = {id(m.prompt) for m in model.modules() if isinstance(m, QuantLinear) and m.prompt is not None}
-    for m in model.modules():
-        if id(m) in second:  # a prompt-rows copy: decode steps do not read it
-            continue
+    for m in decode_linears(model):
         if isinstance(m, QuantLinear):
             total += m.nbytes
         elif isinstance(m, nn.Linear):

@@ -263,20 +263,16 @@ class QuantLinear(nn.Module):
         self.bf16_rows = 1 << 30 if kernels.bf16_dot and self.fmt in ("q4_0", "q4_1") else self.decode_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        limit = self.bf16_rows if x.dtype == torch.bfloat16 else self.decode_rows
-        if x.dim() == 2 and x.shape[0] <= limit and x.stride(1) == 1 and x.dtype in _KERNEL_DTYPES:
-            return self.kernels.linear(x, self.packed, self.fmt, self.out_features, self.bias)
         flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] <= limit and x.dtype == torch.bfloat16 and flat.stride(-1) == 1:
-            out = self.kernels.linear(flat, self.packed, self.fmt, self.out_features, self.bias)
-            return out.view(*x.shape[:-1], self.out_features)
-        if self.prompt is not None and flat.shape[0] > self.decode_rows:
+        rows = flat.shape[0]
+        on_kernel = rows <= (self.bf16_rows if x.dtype == torch.bfloat16 else self.decode_rows)
+        if not on_kernel and self.prompt is not None:
             return self.prompt(x)
-        if self.fmt == "bf16_rows" and flat.shape[0] > self.decode_rows:
+        if not on_kernel and self.fmt == "bf16_rows":
             w = self.packed.view(torch.bfloat16).view(self.out_features, self.in_features).to(x.dtype)
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            return F.linear(flat, w, bias).view(*x.shape[:-1], self.out_features)
-        if flat.shape[0] > self.kernels.prompt_rows:
+            out = F.linear(flat, w, bias)
+        elif not on_kernel and rows > self.kernels.prompt_rows:
             wt = self.kernels.dequantize(self.packed, self.fmt, self.out_features, self.in_features, True)
             xf = flat.float()
             out = (torch.addmm(self.bias, xf, wt) if self.bias is not None else torch.mm(xf, wt)).to(x.dtype)

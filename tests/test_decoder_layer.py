@@ -10,10 +10,8 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kernels import cpu_isa
+from tests.cpu_levels import LEVELS, build_for
 
-LEVELS = [lv for lv in cpu_isa.LEVELS if cpu_isa.LEVELS.index(lv) <= cpu_isa.LEVELS.index(cpu_isa.detected())]
-LEVELS.append("native")  # -march=native: what this CPU has beyond its level (AVX512-BF16's vdpbf16ps paths)
 PROMPTS = [[5, 17, 99, 3], list(range(10, 47)), [200] * 20, [i % 256 for i in range(300, 390)], [7]]
 
 
@@ -35,10 +33,7 @@ def _engine(model_dir, quantization: str, fused: bool, **kw) -> EngineCore:
 @pytest.fixture(params=LEVELS)
 def level(request, monkeypatch):
     """Kernels built for one CPU level (the cap chooses -march and cpu_linear's tiles)."""
-    if request.param == "native":
-        monkeypatch.delenv(cpu_isa.ENV, raising=False)
-    else:
-        monkeypatch.setenv(cpu_isa.ENV, request.param)
+    build_for(monkeypatch, request.param)
     return request.param
 
 

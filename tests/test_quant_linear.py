@@ -10,9 +10,8 @@ import torch.nn.functional as F
 
 from pdserve.kernels import cpu_isa, quant_linear
 from pdserve.kernels.quant_linear import FORMATS, Blocks, QuantLinear
+from tests.cpu_levels import LEVELS, build_for
 
-LEVELS = [lv for lv in cpu_isa.LEVELS if cpu_isa.LEVELS.index(lv) <= cpu_isa.LEVELS.index(cpu_isa.detected())]
-LEVELS.append("native")  # -march=native: what this CPU has beyond its level (AVX512-BF16's vdpbf16ps paths)
 SHAPES = [  # (rows, out, in): one row, the 4- and 8-row tiles and their remainders, more than a 64-row chunk
     (1, 16, 32),
     (1, 37, 100),
@@ -28,10 +27,7 @@ SHAPES = [  # (rows, out, in): one row, the 4- and 8-row tiles and their remaind
 def kernels(request, tmp_path_factory):
     """`cpu_linear.c` built for one level (the cap chooses -march), as the engine would load it there."""
     mp = pytest.MonkeyPatch()
-    if request.param == "native":
-        mp.delenv(cpu_isa.ENV, raising=False)
-    else:
-        mp.setenv(cpu_isa.ENV, request.param)
+    build_for(mp, request.param)
     lib = quant_linear.load(tmp_path_factory.mktemp(f"kernels-{request.param}"))
     mp.undo()
     if lib is None:
