@@ -98,6 +98,9 @@ def _receiver(pipe, layout: dict, paths: tuple[str, ...], raw: bool) -> None:
             pipe.send("ready")
 
     asyncio.run(main())
+    from pdserve.kvtransfer.backends import shutdown_transports
+
+    shutdown_transports()  # ucxx's notifier thread would keep this process from exiting
 
 
 def _raw_reads(descriptor: dict, nbytes: int, repeats: int) -> list[float]:

@@ -122,6 +122,8 @@ class KVReceiver:
         """Listens on `host` (exactly: a wildcard only when asked for); senders are told `advertise` (default
         `host`). `registered`: this cache registered for one-sided reads (the receiver owns it from now on)."""
         if tuple(kv_cache.shape) != layout.shape:
+            if registered is not None:  # it was handed over: nobody else will close it
+                registered.close_now()
             raise ValueError("KV cache shape does not match its layout")
         self.cache = kv_cache
         self.layout = layout
@@ -144,7 +146,11 @@ class KVReceiver:
         return f"{self.transport.name}://{self.advertise}:{self._listener.port}"
 
     async def start(self) -> KVReceiver:
-        self._listener = await self.transport.listen(self.host, self.port, self._serve)
+        try:
+            self._listener = await self.transport.listen(self.host, self.port, self._serve)
+        except BaseException:
+            await self.close()  # the registered cache too: a receiver that cannot listen holds nothing
+            raise
         log.info("KV receiver listening at %s", self.address)
         return self
 

@@ -287,19 +287,25 @@ class RegisteredCache:
                 agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
             except Exception as e:  # noqa: BLE001 - any failure here means: no one-sided transfers
                 raise PlaneUnavailable(f"NIXL's UCX backend did not start: {e}") from None
-        if f"{self.memory}_SEG" not in agent.get_backend_mem_types("UCX"):
-            raise PlaneUnavailable(f"this UCX build cannot register {self.memory} memory")
         base, nbytes = cache.data_ptr(), layout.nbytes
-        try:
-            self._registration = agent.register_memory([(base, nbytes, self.device, "")], self.memory)
-        except Exception as e:  # noqa: BLE001
-            raise PlaneUnavailable(f"UCX could not register the KV cache ({self.memory}): {e}") from None
+        why = None
+        if f"{self.memory}_SEG" not in agent.get_backend_mem_types("UCX"):
+            why = f"this UCX build cannot register {self.memory} memory"
+        else:
+            try:
+                self._registration = agent.register_memory([(base, nbytes, self.device, "")], self.memory)
+            except Exception as e:  # noqa: BLE001
+                why = f"UCX could not register the KV cache ({self.memory}): {e}"
+        if why is not None:
+            del agent  # its UCX context goes now, not whenever the exception's frames are collected
+            raise PlaneUnavailable(why)
         self.descriptor = CacheDescriptor(
             name, agent.get_agent_metadata(), base, nbytes, self.memory, self.device, layout.num_blocks, host_key()
         )
         self._agent = agent
         self._thread = _AgentThread(agent)
         self._loaded: dict[str, int] = {}  # peer agent -> connections using it
+        self._closed = False
 
     def describe(self) -> str:
         where = "host memory" if self.memory == "DRAM" else f"cuda:{self.device} memory"
@@ -385,7 +391,14 @@ class RegisteredCache:
         return asyncio.wrap_future(result)
 
     async def close(self) -> None:
-        await asyncio.to_thread(self._thread.stop)
+        await asyncio.to_thread(self.close_now)
+
+    def close_now(self) -> None:
+        """Stop the agent's thread and give the registration back (blocks while reads in flight end)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._thread.stop()
         with contextlib.suppress(Exception):
             self._agent.deregister_memory(self._registration)
 

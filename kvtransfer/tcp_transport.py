@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
-import struct
 from collections.abc import Sequence
 
 import numpy as np
 
 from pdserve.kvtransfer.errors import ListenFailed, PeerDisconnected, ProtocolError
 from pdserve.kvtransfer.transport import (
+    HEADER_LEN,
     MAX_CONNECTIONS,
     MAX_HEADER,
     Connection,
@@ -19,9 +18,9 @@ from pdserve.kvtransfer.transport import (
     Listener,
     Transport,
     decode_header,
+    frame,
 )
 
-_LEN = struct.Struct("!I")
 _SOCK_BUF = 4 << 20
 
 
@@ -43,11 +42,9 @@ class TCPConnection(Connection):
             self.peer = "?"
 
     async def send_header(self, header: dict, payloads: Sequence[np.ndarray] = ()) -> None:
-        blob = json.dumps(header).encode()
-        if len(blob) > MAX_HEADER:
-            raise ProtocolError(f"header of {len(blob)} bytes (at most {MAX_HEADER})")
+        head = frame(header)
         try:
-            await self.loop.sock_sendall(self.sock, _LEN.pack(len(blob)) + blob)
+            await self.loop.sock_sendall(self.sock, head)
             for p in payloads:
                 await self.loop.sock_sendall(self.sock, p.data.cast("B"))
         except OSError as e:
@@ -65,9 +62,9 @@ class TCPConnection(Connection):
             got += n
 
     async def recv_header(self) -> dict:
-        size = bytearray(_LEN.size)
+        size = bytearray(HEADER_LEN.size)
         await self._fill(memoryview(size))
-        n = _LEN.unpack(size)[0]
+        n = HEADER_LEN.unpack(size)[0]
         if n > MAX_HEADER:
             raise ProtocolError(f"{self.peer} announced a {n}-byte header (at most {MAX_HEADER})")
         blob = bytearray(n)

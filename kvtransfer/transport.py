@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import json
 import logging
+import struct
 from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
@@ -31,6 +32,17 @@ def decode_header(blob: bytes | bytearray) -> dict:
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
     return header
+
+
+HEADER_LEN = struct.Struct("!I")
+
+
+def frame(header: dict) -> bytes:
+    """A header as it travels on a byte stream: its length, then its JSON."""
+    blob = json.dumps(header).encode()
+    if len(blob) > MAX_HEADER:
+        raise ProtocolError(f"header of {len(blob)} bytes (at most {MAX_HEADER})")
+    return HEADER_LEN.pack(len(blob)) + blob
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

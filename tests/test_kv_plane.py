@@ -152,3 +152,36 @@ def test_read_copies_scattered_blocks_of_every_layer_into_the_reservation_only()
             await sender.close()
 
     asyncio.run(main())
+
+
+@needs_nixl
+def test_a_receiver_that_cannot_start_gives_its_registered_cache_back():
+    """The receiver owns the registered cache it is handed: failing to build or to listen stops the agent's
+    thread and gives the registration back."""
+    import socket
+
+    from pdserve.kvtransfer.backends import make_transport
+    from pdserve.kvtransfer.errors import ListenFailed
+    from pdserve.kvtransfer.receiver import KVReceiver
+
+    async def main() -> None:
+        layout = _layout(4)
+        busy = socket.socket()
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        try:
+            registered = RegisteredCache(make_cache(4, None, LAYOUT), layout, "decode")
+            receiver = KVReceiver(
+                registered.cache, layout, make_transport("ucx"), port=busy.getsockname()[1], registered=registered
+            )
+            with pytest.raises(ListenFailed):
+                await receiver.start()
+            assert receiver.registered is None and not registered._thread._thread.is_alive()
+            registered = RegisteredCache(make_cache(4, None, LAYOUT), layout, "decode")
+            with pytest.raises(ValueError, match="shape"):
+                KVReceiver(make_cache(5, None, LAYOUT), layout, make_transport("ucx"), registered=registered)
+            assert not registered._thread._thread.is_alive()
+        finally:
+            busy.close()
+
+    asyncio.run(main())
