@@ -8,17 +8,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pdserve.kvtransfer.errors import ListenFailed, PeerDisconnected, ProtocolError
+from pdserve.kvtransfer.errors import ListenFailed, PeerDisconnected
 from pdserve.kvtransfer.transport import (
     HEADER_LEN,
     MAX_CONNECTIONS,
-    MAX_HEADER,
     Connection,
     Handler,
     Listener,
     Transport,
     decode_header,
     frame,
+    header_size,
 )
 
 _SOCK_BUF = 4 << 20
@@ -62,12 +62,9 @@ class TCPConnection(Connection):
             got += n
 
     async def recv_header(self) -> dict:
-        size = bytearray(HEADER_LEN.size)
-        await self._fill(memoryview(size))
-        n = HEADER_LEN.unpack(size)[0]
-        if n > MAX_HEADER:
-            raise ProtocolError(f"{self.peer} announced a {n}-byte header (at most {MAX_HEADER})")
-        blob = bytearray(n)
+        prefix = bytearray(HEADER_LEN.size)
+        await self._fill(memoryview(prefix))
+        blob = bytearray(header_size(prefix, self.peer))
         await self._fill(memoryview(blob))
         return decode_header(blob)
 

@@ -45,6 +45,14 @@ def frame(header: dict) -> bytes:
     return HEADER_LEN.pack(len(blob)) + blob
 
 
+def header_size(prefix: bytes | bytearray, peer: str) -> int:
+    """The length a frame's prefix announces; ProtocolError above MAX_HEADER (refused before it is read)."""
+    (size,) = HEADER_LEN.unpack(prefix)
+    if size > MAX_HEADER:
+        raise ProtocolError(f"{peer} announced a {size}-byte header (at most {MAX_HEADER})")
+    return size
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A host copy of device memory to send. Every transport moves host bytes: KV in GPU memory is staged
     through host memory on both sides (the copy waits for the forward that wrote it)."""

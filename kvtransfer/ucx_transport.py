@@ -30,13 +30,13 @@ from pdserve.kvtransfer.errors import ListenFailed, PeerDisconnected, ProtocolEr
 from pdserve.kvtransfer.transport import (
     HEADER_LEN,
     MAX_CONNECTIONS,
-    MAX_HEADER,
     Connection,
     Handler,
     Listener,
     Transport,
     decode_header,
     frame,
+    header_size,
 )
 
 log = logging.getLogger(__name__)
@@ -140,9 +140,7 @@ class UCXConnection(Connection):
         cancels every receive still posted (into the cache, too), so its waiter sees the peer gone."""
         try:
             while True:
-                (size,) = HEADER_LEN.unpack(await reader.readexactly(HEADER_LEN.size))
-                if size > MAX_HEADER:
-                    raise ProtocolError(f"{self.peer} announced a {size}-byte header (at most {MAX_HEADER})")
+                size = header_size(await reader.readexactly(HEADER_LEN.size), self.peer)
                 await self._headers.put(await reader.readexactly(size))
         except ProtocolError as e:
             self._ended = e
@@ -163,10 +161,9 @@ class UCXConnection(Connection):
         """Write every header and post every payload send at once, in order; wait for all."""
         if self._ended is not None:
             raise PeerDisconnected(f"UCX connection to {self.peer} is closed: {self._ended}")
-        buffers: list[np.ndarray] = []
-        for header, payloads in messages:
-            self._writer.write(frame(header))
-            buffers += [p for p in payloads if p.nbytes]
+        heads = b"".join(frame(header) for header, _ in messages)  # all or none: a refused header writes nothing
+        buffers = [p for _, payloads in messages for p in payloads if p.nbytes]
+        self._writer.write(heads)
         tasks = [asyncio.ensure_future(self.ep.send(b)) for b in buffers]
         await self._all(tasks, self._writer.drain())
 
