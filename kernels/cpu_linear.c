@@ -49,6 +49,9 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4, BF16_ROWS = 5 };
 #ifndef PANEL_ROWS
 #define PANEL_ROWS 8 /* from this many rows on, a group is dequantized whole once and tiled over */
 #endif
+#ifndef TILE8_PANEL_ROWS
+#define TILE8_PANEL_ROWS 1000000 /* AVX2: from this many rows on, the tiles read a dequantized panel */
+#endif
 #ifndef ROWS_PREFETCH
 #define ROWS_PREFETCH 4096
 #endif
@@ -450,6 +453,13 @@ static void store_rows(const float *acc, int rows, int cols, const float *bias, 
     }
 }
 
+#if VL == 8 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(NO_TILE8)
+#define TILE8 1
+#include "cpu_linear_avx2.h"
+#else
+#define TILE8 0
+#endif
+
 /* bf16_rows: the weight as torch holds it, W [N][K] bf16 row-major, for CPUs where oneDNN multiplies bf16 in
  * hardware and runs prompt shapes on the same tensor. Each output is a dot product along K; tiles of R rows by 4
  * columns share every load. With AVX512-BF16 and bf16 activations, pairs of products go through vdpbf16ps (each
@@ -610,7 +620,7 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
     if (bb < 0 || M < 0 || K <= 0 || N <= 0 || ldx < K || ldy < N) return -1;
     if (M == 0) return 0;
     int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G;
-    int minimum = fmt == Q4_0 || fmt == Q4_1;
+    int minimum = !TILE8 && (fmt == Q4_0 || fmt == Q4_1); /* the tiles that need each block's sum of x */
     float *scratch = NULL, *xs = NULL;
     const float *x = xin;
     __attribute__((unused)) const int64_t ldx_in = ldx;
@@ -633,7 +643,7 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
 #else
     const int dp4 = 0;
 #endif
-    int use_panels = M >= PANEL_ROWS && !dp4, failed = 0;
+    int use_panels = M >= (TILE8 ? TILE8_PANEL_ROWS : PANEL_ROWS) && !dp4, failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         float *panels = use_panels ? aligned_alloc(64, sizeof(float) * PAIR * nb * KB * G) : NULL;
@@ -661,6 +671,15 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
 #endif
                 for (int64_t i = 0; i < n_g; i++) {
                     int64_t g = g0 + i;
+#if TILE8
+                    if (use_panels)
+                        group8(F32, (const uint8_t *)(panels + i * nb * KB * G), KB * G * 4, nb, xr, ldx, rows, K,
+                               acc0);
+                    else
+                        group8(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, acc0);
+                    store_rows(acc0, rows, N - g * G < G ? (int)(N - g * G) : G, bias, yout, ldy, y_bf16, r0, g * G);
+                    continue;
+#endif
 #if defined(__AVX512BF16__)
                     if (dp4 && rows > 1) {
                         const uint16_t *xb = (const uint16_t *)xin + r0 * ldx_in;

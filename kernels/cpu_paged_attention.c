@@ -31,6 +31,51 @@ static inline float load_bf16(uint16_t x) { return bf16_to_f32(x); }
 static inline uint16_t store_bf16(float f) { return f32_to_bf16(f); }
 
 /* s[0:len] = softmax(s[0:len]), in place, in fp32 */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(CPU_ATTENTION_PORTABLE)
+#include <immintrin.h>
+
+/* exp_f32 on 8 lanes (gcc does not vectorize it here: the scalar loop cost a third of the attention on AVX2) */
+static inline __m256 exp8(__m256 x) {
+    const __m256 v = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 big = _mm256_set1_ps(12582912.0f);
+    const __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), big), big);
+    const __m256 r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f),
+                                     _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+}
+
+/* 8 lanes at a time, the sums in 8 partial sums then added in a fixed order */
+static void softmax_inplace(float *s, int len) {
+    const int n8 = len / 8 * 8;
+    float m = s[0], sum = 0.0f, lane[8];
+    __m256 mv = _mm256_set1_ps(s[0]), sv = _mm256_setzero_ps();
+    for (int t = 0; t < n8; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+    _mm256_storeu_ps(lane, mv);
+    for (int i = 0; i < 8; i++) m = lane[i] > m ? lane[i] : m;
+    for (int t = n8; t < len; t++) m = s[t] > m ? s[t] : m;
+    const __m256 mb = _mm256_set1_ps(m);
+    for (int t = 0; t < n8; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
+        _mm256_storeu_ps(s + t, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    _mm256_storeu_ps(lane, sv);
+    for (int i = 0; i < 8; i++) sum += lane[i];
+    for (int t = n8; t < len; t++) sum += s[t] = exp_f32(s[t] - m);
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
+    for (int t = n8; t < len; t++) s[t] *= 1.0f / sum;
+}
+#else
 static void softmax_inplace(float *s, int len) {
     float m = s[0], sum = 0.0f;
     for (int t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
@@ -39,29 +84,34 @@ static void softmax_inplace(float *s, int len) {
     const float inv = 1.0f / sum;
     for (int t = 0; t < len; t++) s[t] *= inv;
 }
+#endif
 
 /* One (sequence, KV head) item: the `group` query heads of sequence b (qh = q + b * q_sb, oh = out + b * H * D)
  * that share KV head g, over its `len` tokens; `scores` is this thread's [group, padded] scratch. */
 
 #if defined(__AVX512F__) && !defined(CPU_ATTENTION_PORTABLE)
 #include <immintrin.h>
+#define VECTORS 1
+typedef __m512 vec;
+#define VLANES 16
+#define AHEAD 16 /* tokens: how far ahead K rows are prefetched */
+#define vzero _mm512_setzero_ps
+#define vset1 _mm512_set1_ps
+#define vmul _mm512_mul_ps
+#define vadd _mm512_add_ps
+#define vfmadd _mm512_fmadd_ps
+#define vstore _mm512_storeu_ps
+#define vstore_aligned _mm512_store_ps
 
-static inline __m512 loadv_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline vec loadv_f32(const float *p) { return _mm512_loadu_ps(p); }
 
-static inline __m512 loadv_bf16(const uint16_t *p) {
+static inline vec loadv_bf16(const uint16_t *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-static inline void prefetch_row(const void *p, int nbytes, int hint) {
-    for (int off = 0; off < nbytes; off += 64) {
-        if (hint == _MM_HINT_T0) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
-        else _mm_prefetch((const char *)p + off, _MM_HINT_T1);
-    }
-}
-
 /* lane t of the result = the sum of the 16 lanes of v[t] */
-static inline __m512 sum_lanes16(const __m512 *v) {
+static inline vec sum_lanes(const vec *v) {
     __m512 w[8], x[4];
     for (int i = 0; i < 8; i++)
         w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -74,56 +124,119 @@ static inline __m512 sum_lanes16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
 }
 
-#define CHUNKS (MAX_HEAD_DIM / LANES)
-#define ATTEND_ITEM(SUFFIX, T, STORE)                                                                                \
-    static void attend_item_##SUFFIX(const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *table,        \
-                                     int len, T *oh, int g, int KVH, int D, int BS, float scale, int group,          \
-                                     int padded, float *scores) {                                                    \
-        const int nc = D / LANES;                                                                                    \
-        __m512 qf[MAX_GROUP][CHUNKS], acc[MAX_GROUP][CHUNKS], part[MAX_GROUP][LANES], row[CHUNKS];                   \
-        float res[MAX_HEAD_DIM];                                                                                     \
-        const T *rows[LANES];                                                                                        \
-        for (int j = 0; j < group; j++) {                                                                            \
-            const T *qr = qh + (int64_t)(g * group + j) * q_sh;                                                      \
-            for (int c = 0; c < nc; c++) qf[j][c] = _mm512_mul_ps(loadv_##SUFFIX(qr + c * LANES), _mm512_set1_ps(scale)); \
-        }                                                                                                            \
-        for (int t0 = 0; t0 < len; t0 += LANES) {                                                                    \
-            const int n = len - t0 < LANES ? len - t0 : LANES;                                                       \
-            for (int t = 0; t < n; t++) rows[t] = k + ((table[(t0 + t) / BS] * BS + (t0 + t) % BS) * KVH + g) * D;   \
-            for (int t = t0 + LANES; t < t0 + 2 * LANES && t < len; t++)                                             \
-                prefetch_row(k + ((table[t / BS] * BS + t % BS) * KVH + g) * D, D * (int)sizeof(T), _MM_HINT_T0);    \
-            for (int t = t0; t < t0 + n; t++)                                                                        \
-                prefetch_row(v + ((table[t / BS] * BS + t % BS) * KVH + g) * D, D * (int)sizeof(T), _MM_HINT_T1);    \
-            for (int t = 0; t < n; t++) {                                                                            \
-                for (int c = 0; c < nc; c++) row[c] = loadv_##SUFFIX(rows[t] + c * LANES);                           \
-                for (int j = 0; j < group; j++) {                                                                    \
-                    __m512 s = _mm512_mul_ps(qf[j][0], row[0]);                                                      \
-                    for (int c = 1; c < nc; c++) s = _mm512_fmadd_ps(qf[j][c], row[c], s);                           \
-                    part[j][t] = s;                                                                                  \
-                }                                                                                                    \
-            }                                                                                                        \
-            for (int j = 0; j < group; j++) {                                                                        \
-                for (int t = n; t < LANES; t++) part[j][t] = _mm512_setzero_ps();                                    \
-                _mm512_store_ps(scores + (size_t)j * padded + t0, sum_lanes16(part[j]));                             \
-            }                                                                                                        \
-        }                                                                                                            \
-        for (int j = 0; j < group; j++) {                                                                            \
-            softmax_inplace(scores + (size_t)j * padded, len);                                                       \
-            for (int c = 0; c < nc; c++) acc[j][c] = _mm512_setzero_ps();                                            \
-        }                                                                                                            \
-        for (int t = 0; t < len; t++) {                                                                              \
-            const T *vr = v + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                         \
-            for (int c = 0; c < nc; c++) row[c] = loadv_##SUFFIX(vr + c * LANES);                                    \
-            for (int j = 0; j < group; j++) {                                                                        \
-                const __m512 p = _mm512_set1_ps(scores[(size_t)j * padded + t]);                                     \
-                for (int c = 0; c < nc; c++) acc[j][c] = _mm512_fmadd_ps(p, row[c], acc[j][c]);                      \
-            }                                                                                                        \
-        }                                                                                                            \
-        for (int j = 0; j < group; j++) {                                                                            \
-            T *o = oh + (int64_t)(g * group + j) * D;                                                                \
-            for (int c = 0; c < nc; c++) _mm512_storeu_ps(res + c * LANES, acc[j][c]);                               \
-            for (int d = 0; d < D; d++) o[d] = STORE(res[d]);                                                        \
-        }                                                                                                            \
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(CPU_ATTENTION_PORTABLE)
+#include <immintrin.h>
+#define VECTORS 1
+typedef __m256 vec;
+#ifndef AHEAD
+#define AHEAD 24
+#endif
+#define VLANES 8
+#define vzero _mm256_setzero_ps
+#define vset1 _mm256_set1_ps
+#define vmul _mm256_mul_ps
+#define vadd _mm256_add_ps
+#define vfmadd _mm256_fmadd_ps
+#define vstore _mm256_storeu_ps
+#define vstore_aligned _mm256_store_ps
+
+static inline vec loadv_f32(const float *p) { return _mm256_loadu_ps(p); }
+
+static inline vec loadv_bf16(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* lane t of the result = the sum of the 8 lanes of v[t] */
+static inline vec sum_lanes(const vec *v) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+#if defined(VECTORS)
+static inline void prefetch_row(const void *p, int nbytes, int hint) {
+    for (int off = 0; off < nbytes; off += 64) {
+        if (hint == _MM_HINT_T0) _mm_prefetch((const char *)p + off, _MM_HINT_T0);
+        else _mm_prefetch((const char *)p + off, _MM_HINT_T1);
+    }
+}
+
+#define CHUNKS (MAX_HEAD_DIM / VLANES)
+#define ATTEND_ITEM(SUFFIX, T, STORE)                                                                                  \
+    static void attend_item_##SUFFIX(const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *table,          \
+                                     int len, T *oh, int g, int KVH, int D, int BS, float scale, int group,            \
+                                     int padded, float *scores) {                                                      \
+        const int nc = D / VLANES;                                                                                     \
+        vec qf[MAX_GROUP][CHUNKS], acc[MAX_GROUP][CHUNKS], part[MAX_GROUP][VLANES], row[CHUNKS];                       \
+        float res[MAX_HEAD_DIM];                                                                                       \
+        const T *rows[VLANES];                                                                                         \
+        for (int j = 0; j < group; j++) {                                                                              \
+            const T *qr = qh + (int64_t)(g * group + j) * q_sh;                                                        \
+            for (int c = 0; c < nc; c++) qf[j][c] = vmul(loadv_##SUFFIX(qr + c * VLANES), vset1(scale));               \
+        }                                                                                                              \
+        for (int t0 = 0; t0 < len; t0 += VLANES) {                                                                     \
+            const int n = len - t0 < VLANES ? len - t0 : VLANES;                                                       \
+            for (int t = 0; t < n; t++) rows[t] = k + ((table[(t0 + t) / BS] * BS + (t0 + t) % BS) * KVH + g) * D;     \
+            for (int t = t0 + AHEAD; t < t0 + AHEAD + VLANES && t < len; t++)                                          \
+                prefetch_row(k + ((table[t / BS] * BS + t % BS) * KVH + g) * D, D * (int)sizeof(T), _MM_HINT_T0);      \
+            for (int t = t0; t < t0 + n; t++)                                                                          \
+                prefetch_row(v + ((table[t / BS] * BS + t % BS) * KVH + g) * D, D * (int)sizeof(T), _MM_HINT_T1);      \
+            for (int t = 0; t < n; t++) {                                                                              \
+                for (int c = 0; c < nc; c++) row[c] = loadv_##SUFFIX(rows[t] + c * VLANES);                            \
+                for (int j = 0; j < group; j++) {                                                                      \
+                    vec s = vmul(qf[j][0], row[0]);                                                                    \
+                    if (VLANES == 8) { /* twice the chunks of AVX-512: two chains of FMAs, half as long */             \
+                        vec s1 = vmul(qf[j][1], row[1]);                                                               \
+                        for (int c = 2; c < nc; c += 2)                                                                \
+                            s = vfmadd(qf[j][c], row[c], s), s1 = vfmadd(qf[j][c + 1], row[c + 1], s1);                \
+                        s = vadd(s, s1);                                                                               \
+                    } else                                                                                             \
+                        for (int c = 1; c < nc; c++) s = vfmadd(qf[j][c], row[c], s);                                  \
+                    part[j][t] = s;                                                                                    \
+                }                                                                                                      \
+            }                                                                                                          \
+            for (int j = 0; j < group; j++) {                                                                          \
+                for (int t = n; t < VLANES; t++) part[j][t] = vzero();                                                 \
+                vstore_aligned(scores + (size_t)j * padded + t0, sum_lanes(part[j]));                                  \
+            }                                                                                                          \
+        }                                                                                                              \
+        if (VLANES == 8 && D == 8 * VLANES) {                                                                          \
+            /* 16 registers: one head at a time, its 8 accumulators held across the tokens (V rows from L1) */         \
+            for (int j = 0; j < group; j++) {                                                                          \
+                const float *pj = scores + (size_t)j * padded;                                                         \
+                vec a[8];                                                                                              \
+                softmax_inplace(scores + (size_t)j * padded, len);                                                     \
+                for (int c = 0; c < 8; c++) a[c] = vzero();                                                            \
+                for (int t = 0; t < len; t++) {                                                                        \
+                    const T *vr = v + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                   \
+                    const vec p = vset1(pj[t]);                                                                        \
+                    for (int c = 0; c < 8; c++) a[c] = vfmadd(p, loadv_##SUFFIX(vr + c * VLANES), a[c]);               \
+                }                                                                                                      \
+                T *o = oh + (int64_t)(g * group + j) * D;                                                              \
+                for (int c = 0; c < 8; c++) vstore(res + c * VLANES, a[c]);                                            \
+                for (int d = 0; d < D; d++) o[d] = STORE(res[d]);                                                      \
+            }                                                                                                          \
+            return;                                                                                                    \
+        }                                                                                                              \
+        for (int j = 0; j < group; j++) {                                                                              \
+            softmax_inplace(scores + (size_t)j * padded, len);                                                         \
+            for (int c = 0; c < nc; c++) acc[j][c] = vzero();                                                          \
+        }                                                                                                              \
+        for (int t = 0; t < len; t++) {                                                                                \
+            const T *vr = v + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                           \
+            for (int c = 0; c < nc; c++) row[c] = loadv_##SUFFIX(vr + c * VLANES);                                     \
+            for (int j = 0; j < group; j++) {                                                                          \
+                const vec p = vset1(scores[(size_t)j * padded + t]);                                                   \
+                for (int c = 0; c < nc; c++) acc[j][c] = vfmadd(p, row[c], acc[j][c]);                                 \
+            }                                                                                                          \
+        }                                                                                                              \
+        for (int j = 0; j < group; j++) {                                                                              \
+            T *o = oh + (int64_t)(g * group + j) * D;                                                                  \
+            for (int c = 0; c < nc; c++) vstore(res + c * VLANES, acc[j][c]);                                          \
+            for (int d = 0; d < D; d++) o[d] = STORE(res[d]);                                                          \
+        }                                                                                                              \
     }
 
 #else
@@ -138,36 +251,36 @@ static inline float dot(const float *a, const float *b, int dim) {
     return s;
 }
 
-#define ATTEND_ITEM(SUFFIX, T, STORE)                                                                                \
-    static void attend_item_##SUFFIX(const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *table,        \
-                                     int len, T *oh, int g, int KVH, int D, int BS, float scale, int group,          \
-                                     int padded, float *scores) {                                                    \
-        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];                          \
-        for (int j = 0; j < group; j++) {                                                                            \
-            const T *qr = qh + (int64_t)(g * group + j) * q_sh;                                                      \
-            for (int d = 0; d < D; d++) qf[j][d] = load_##SUFFIX(qr[d]) * scale;                                     \
-        }                                                                                                            \
-        for (int t = 0; t < len; t++) {                                                                              \
-            const T *kr = k + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                         \
-            for (int d = 0; d < D; d++) row[d] = load_##SUFFIX(kr[d]);                                               \
-            for (int j = 0; j < group; j++) scores[(size_t)j * padded + t] = dot(qf[j], row, D);                     \
-        }                                                                                                            \
-        for (int j = 0; j < group; j++) {                                                                            \
-            softmax_inplace(scores + (size_t)j * padded, len);                                                       \
-            for (int d = 0; d < D; d++) acc[j][d] = 0.0f;                                                            \
-        }                                                                                                            \
-        for (int t = 0; t < len; t++) {                                                                              \
-            const T *vr = v + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                         \
-            for (int d = 0; d < D; d++) row[d] = load_##SUFFIX(vr[d]);                                               \
-            for (int j = 0; j < group; j++) {                                                                        \
-                const float p = scores[(size_t)j * padded + t];                                                      \
-                for (int d = 0; d < D; d++) acc[j][d] += p * row[d];                                                 \
-            }                                                                                                        \
-        }                                                                                                            \
-        for (int j = 0; j < group; j++) {                                                                            \
-            T *o = oh + (int64_t)(g * group + j) * D;                                                                \
-            for (int d = 0; d < D; d++) o[d] = STORE(acc[j][d]);                                                     \
-        }                                                                                                            \
+#define ATTEND_ITEM(SUFFIX, T, STORE)                                                                                  \
+    static void attend_item_##SUFFIX(const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *table,          \
+                                     int len, T *oh, int g, int KVH, int D, int BS, float scale, int group,            \
+                                     int padded, float *scores) {                                                      \
+        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];                            \
+        for (int j = 0; j < group; j++) {                                                                              \
+            const T *qr = qh + (int64_t)(g * group + j) * q_sh;                                                        \
+            for (int d = 0; d < D; d++) qf[j][d] = load_##SUFFIX(qr[d]) * scale;                                       \
+        }                                                                                                              \
+        for (int t = 0; t < len; t++) {                                                                                \
+            const T *kr = k + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                           \
+            for (int d = 0; d < D; d++) row[d] = load_##SUFFIX(kr[d]);                                                 \
+            for (int j = 0; j < group; j++) scores[(size_t)j * padded + t] = dot(qf[j], row, D);                       \
+        }                                                                                                              \
+        for (int j = 0; j < group; j++) {                                                                              \
+            softmax_inplace(scores + (size_t)j * padded, len);                                                         \
+            for (int d = 0; d < D; d++) acc[j][d] = 0.0f;                                                              \
+        }                                                                                                              \
+        for (int t = 0; t < len; t++) {                                                                                \
+            const T *vr = v + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                           \
+            for (int d = 0; d < D; d++) row[d] = load_##SUFFIX(vr[d]);                                                 \
+            for (int j = 0; j < group; j++) {                                                                          \
+                const float p = scores[(size_t)j * padded + t];                                                        \
+                for (int d = 0; d < D; d++) acc[j][d] += p * row[d];                                                   \
+            }                                                                                                          \
+        }                                                                                                              \
+        for (int j = 0; j < group; j++) {                                                                              \
+            T *o = oh + (int64_t)(g * group + j) * D;                                                                  \
+            for (int d = 0; d < D; d++) o[d] = STORE(acc[j][d]);                                                       \
+        }                                                                                                              \
     }
 
 #endif
@@ -179,26 +292,26 @@ ATTEND_ITEM(bf16, uint16_t, store_bf16)
  * tables [B, table_stride] block ids; lens [B] context lengths (>= 1, at most max_len); out [B, H, D] contiguous.
  * Returns 0, 1 for shapes it does not take, 2 when scratch memory could not be had. */
 #define DECODE_ATTENTION(NAME, SUFFIX, T)                                                                            \
-    int NAME(const T *q, int64_t q_sb, int64_t q_sh, const T *k, const T *v, const int64_t *tables,                  \
-             int64_t table_stride, const int32_t *lens, T *out, int B, int H, int KVH, int D, int BS, float scale,   \
-             int max_len, int threads) {                                                                             \
-        if (H % KVH || H / KVH > MAX_GROUP || D % LANES || D > MAX_HEAD_DIM) return 1;                               \
-        const int group = H / KVH, padded = (max_len + LANES - 1) / LANES * LANES;                                   \
-        int failed = 0;                                                                                              \
-        _Pragma("omp parallel num_threads(threads) reduction(|:failed)")                                             \
-        {                                                                                                            \
-            float *scores = aligned_alloc(64, sizeof(float) * (size_t)group * (size_t)padded);                       \
-            failed |= scores == NULL;                                                                                \
-            _Pragma("omp for schedule(static)")                                                                      \
-            for (int item = 0; item < B * KVH; item++) {                                                             \
-                if (scores == NULL) continue;                                                                        \
-                const int b = item / KVH;                                                                            \
-                attend_item_##SUFFIX(q + b * q_sb, q_sh, k, v, tables + b * table_stride, lens[b],                   \
-                                     out + (int64_t)b * H * D, item % KVH, KVH, D, BS, scale, group, padded, scores); \
-            }                                                                                                        \
-            free(scores);                                                                                            \
-        }                                                                                                            \
-        return failed ? 2 : 0;                                                                                       \
+    int NAME(const T *q, int64_t q_sb, int64_t q_sh, const T *k, const T *v, const int64_t *tables,                    \
+             int64_t table_stride, const int32_t *lens, T *out, int B, int H, int KVH, int D, int BS, float scale,     \
+             int max_len, int threads) {                                                                               \
+        if (H % KVH || H / KVH > MAX_GROUP || D % LANES || D > MAX_HEAD_DIM) return 1;                                 \
+        const int group = H / KVH, padded = (max_len + LANES - 1) / LANES * LANES;                                     \
+        int failed = 0;                                                                                                \
+        _Pragma("omp parallel num_threads(threads) reduction(|:failed)")                                               \
+        {                                                                                                              \
+            float *scores = aligned_alloc(64, sizeof(float) * (size_t)group * (size_t)padded);                         \
+            failed |= scores == NULL;                                                                                  \
+            _Pragma("omp for schedule(static)")                                                                        \
+            for (int item = 0; item < B * KVH; item++) {                                                               \
+                if (scores == NULL) continue;                                                                          \
+                const int b = item / KVH;                                                                              \
+                attend_item_##SUFFIX(q + b * q_sb, q_sh, k, v, tables + b * table_stride, lens[b],                     \
+                                     out + (int64_t)b * H * D, item % KVH, KVH, D, BS, scale, group, padded, scores);  \
+            }                                                                                                          \
+            free(scores);                                                                                              \
+        }                                                                                                              \
+        return failed ? 2 : 0;                                                                                         \
     }
 
 DECODE_ATTENTION(decode_attention_f32, f32, float)

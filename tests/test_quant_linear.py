@@ -12,11 +12,15 @@ from pdserve.kernels import cpu_isa, quant_linear
 from pdserve.kernels.quant_linear import FORMATS, Blocks, QuantLinear
 from tests.cpu_levels import LEVELS, build_for
 
-SHAPES = [  # (rows, out, in): one row, the 4- and 8-row tiles and their remainders, more than a 64-row chunk
+SHAPES = [  # (rows, out, in): every tile height of 1 to 8 rows, several tiles, more than a 64-row chunk
     (1, 16, 32),
     (1, 37, 100),
+    (2, 40, 70),
     (3, 576, 576),
+    (4, 24, 64),
     (5, 19, 33),
+    (6, 50, 96),
+    (7, 17, 40),
     (8, 48, 64),
     (13, 130, 96),
     (70, 33, 160),

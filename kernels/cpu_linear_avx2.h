@@ -1,0 +1,129 @@
+/* cpu_linear.c's tiles for AVX2 + FMA (8 fp32 lanes, 16 registers): a group's 16 columns are two vectors, and
+ * every packed format is widened straight into registers, dequantized there (w = d q + m, as the panels do) and
+ * multiplied by broadcast x, with no round trip through memory.
+ *
+ * A tile is R rows by C vectors of columns (C = 2: the whole group; C = 1: one half, run twice), with S sets of
+ * accumulators taking even and odd k in turn: R * C * S chains of FMAs, at least 8 where the rows allow (two FMA
+ * pipes of 4 cycles' latency), at most 12 so that weights, scales and a broadcast still fit in registers. The
+ * weights of a block are read straight from the packing, so one row costs one pass over them, and R rows share
+ * each widening. Included by cpu_linear.c, which defines the formats, G, KB and PREFETCH. */
+#include <immintrin.h>
+
+/* A block's scales for columns h*8 .. h*8+7: d, and m (q4_0: -8 d). */
+static inline __attribute__((always_inline)) void scales8(const int fmt, const uint8_t *blk, int h, __m256 *d,
+                                                          __m256 *m) {
+    if (fmt == F32 || fmt == BF16) return;
+    *d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + h * 16)));
+    if (fmt == Q4_1)
+        *m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + h * 16)));
+    else if (fmt == Q4_0)
+        *m = _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f));
+}
+
+/* Rows k and k + 1 (k even) of a block, columns h*8 .. h*8+7, dequantized. */
+static inline __attribute__((always_inline)) void widen8(const int fmt, const uint8_t *blk, int k, int h, __m256 d,
+                                                         __m256 m, __m256 *w0, __m256 *w1) {
+    switch (fmt) {
+    case F32: {
+        const float *p = (const float *)blk + k * G + h * 8;
+        *w0 = _mm256_loadu_ps(p), *w1 = _mm256_loadu_ps(p + G);
+        return;
+    }
+    case BF16: {
+        const uint16_t *p = (const uint16_t *)blk + k * G + h * 8;
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+        *w1 = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + G))), 16));
+        return;
+    }
+    case Q8_0: {
+        const uint8_t *p = blk + 32 + k * G + h * 8;
+        *w0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))));
+        *w1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + G)))));
+        return;
+    }
+    default: { /* q4: byte (k/2, c) holds k low, k + 1 high */
+        const uint8_t *p = blk + (fmt == Q4_1 ? 64 : 32) + (k / 2) * G + h * 8;
+        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+        *w0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), m);
+        *w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), m);
+    }
+    }
+}
+
+/* acc[r][h*8 ..] (+)= sum_k x[r][k] w[k][h*8 ..] over the group for R rows and columns h0*8 .. (h0 + C)*8 - 1. */
+static inline __attribute__((always_inline)) void tile8(const int fmt, const uint8_t *blk, int64_t bb, int64_t nb,
+                                                        const float *x, int64_t ldx, const int R, const int C,
+                                                        const int S, int h0, int64_t K, float *acc) {
+    __m256 a[8][2][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            for (int s = 0; s < S; s++) a[r][c][s] = _mm256_setzero_ps();
+    float tail[8][KB];
+    for (int64_t b = 0; b < nb; b++, blk += bb) {
+        const int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
+        const float *xr[8];
+        int64_t ld = ldx;
+        if (kn < KB) { /* K ends inside this block: the missing x are 0 (the packing's padding is finite) */
+            memset(tail, 0, sizeof tail);
+            for (int r = 0; r < R; r++) memcpy(tail[r], x + r * ldx + b * KB, sizeof(float) * kn);
+            xr[0] = tail[0], ld = KB;
+        } else
+            xr[0] = x + b * KB;
+        if (h0 == 0)
+            for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
+        __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int c = 0; c < C; c++) scales8(fmt, blk, h0 + c, &d[c], &m[c]);
+#pragma GCC unroll 2
+        for (int k = 0; k < KB; k += 2) {
+            __m256 w0[2], w1[2];
+            for (int c = 0; c < C; c++) widen8(fmt, blk, k, h0 + c, d[c], m[c], &w0[c], &w1[c]);
+            for (int r = 0; r < R; r++) {
+                const __m256 x0 = _mm256_broadcast_ss(xr[0] + r * ld + k);
+                const __m256 x1 = _mm256_broadcast_ss(xr[0] + r * ld + k + 1);
+                for (int c = 0; c < C; c++) {
+                    a[r][c][0] = _mm256_fmadd_ps(x0, w0[c], a[r][c][0]);
+                    a[r][c][S - 1] = _mm256_fmadd_ps(x1, w1[c], a[r][c][S - 1]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            _mm256_storeu_ps(acc + r * G + (h0 + c) * 8, S == 2 ? _mm256_add_ps(a[r][c][0], a[r][c][1]) : a[r][c][0]);
+}
+
+/* One group for any number of rows, in tiles of at most 8: acc[rows][16]. */
+static inline __attribute__((always_inline)) void group8_fmt(const int fmt, const uint8_t *blk, int64_t bb,
+                                                             int64_t nb, const float *x, int64_t ldx, int rows,
+                                                             int64_t K, float *acc) {
+    for (int r0 = 0; r0 < rows; r0 += 8) {
+        const int R = rows - r0 < 8 ? rows - r0 : 8;
+        const float *xr = x + r0 * ldx;
+        float *ar = acc + r0 * G;
+        switch (R) {
+        case 1: tile8(fmt, blk, bb, nb, xr, ldx, 1, 2, 2, 0, K, ar); break;
+        case 2: tile8(fmt, blk, bb, nb, xr, ldx, 2, 2, 2, 0, K, ar); break;
+        case 3: tile8(fmt, blk, bb, nb, xr, ldx, 3, 2, 1, 0, K, ar); break;
+        case 4: tile8(fmt, blk, bb, nb, xr, ldx, 4, 2, 1, 0, K, ar); break;
+        default:
+            for (int h = 0; h < 2; h++) switch (R) {
+                case 5: tile8(fmt, blk, bb, nb, xr, ldx, 5, 1, 2, h, K, ar); break;
+                case 6: tile8(fmt, blk, bb, nb, xr, ldx, 6, 1, 2, h, K, ar); break;
+                case 7: tile8(fmt, blk, bb, nb, xr, ldx, 7, 1, 1, h, K, ar); break;
+                default: tile8(fmt, blk, bb, nb, xr, ldx, 8, 1, 1, h, K, ar);
+                }
+        }
+    }
+}
+
+static void group8(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const float *x, int64_t ldx, int rows,
+                   int64_t K, float *acc) {
+    switch (fmt) {
+    case F32: group8_fmt(F32, blk, bb, nb, x, ldx, rows, K, acc); break;
+    case BF16: group8_fmt(BF16, blk, bb, nb, x, ldx, rows, K, acc); break;
+    case Q8_0: group8_fmt(Q8_0, blk, bb, nb, x, ldx, rows, K, acc); break;
+    case Q4_0: group8_fmt(Q4_0, blk, bb, nb, x, ldx, rows, K, acc); break;
+    default: group8_fmt(Q4_1, blk, bb, nb, x, ldx, rows, K, acc);
+    }
+}
