@@ -94,7 +94,6 @@ static void softmax_inplace(float *s, int len) {
 #define VECTORS 1
 typedef __m512 vec;
 #define VLANES 16
-#define AHEAD 16 /* tokens: how far ahead K rows are prefetched */
 #define vzero _mm512_setzero_ps
 #define vset1 _mm512_set1_ps
 #define vmul _mm512_mul_ps
@@ -128,9 +127,6 @@ static inline vec sum_lanes(const vec *v) {
 #include <immintrin.h>
 #define VECTORS 1
 typedef __m256 vec;
-#ifndef AHEAD
-#define AHEAD 24
-#endif
 #define VLANES 8
 #define vzero _mm256_setzero_ps
 #define vset1 _mm256_set1_ps
@@ -179,7 +175,7 @@ static inline void prefetch_row(const void *p, int nbytes, int hint) {
         for (int t0 = 0; t0 < len; t0 += VLANES) {                                                                     \
             const int n = len - t0 < VLANES ? len - t0 : VLANES;                                                       \
             for (int t = 0; t < n; t++) rows[t] = k + ((table[(t0 + t) / BS] * BS + (t0 + t) % BS) * KVH + g) * D;     \
-            for (int t = t0 + AHEAD; t < t0 + AHEAD + VLANES && t < len; t++)                                          \
+            for (int t = t0 + VLANES; t < t0 + 2 * VLANES && t < len; t++)                                             \
                 prefetch_row(k + ((table[t / BS] * BS + t % BS) * KVH + g) * D, D * (int)sizeof(T), _MM_HINT_T0);      \
             for (int t = t0; t < t0 + n; t++)                                                                          \
                 prefetch_row(v + ((table[t / BS] * BS + t % BS) * KVH + g) * D, D * (int)sizeof(T), _MM_HINT_T1);      \
