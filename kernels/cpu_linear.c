@@ -8,6 +8,7 @@
  *   q4_0: fp16 d[16], uint8 q[16][16]              (w = d (q - 8); byte p,c holds k=2p low, k=2p+1 high)
  *   q4_1: fp16 d[16], fp16 m[16], uint8 q[16][16]  (w = d q + m)
  *
+ * (AVX2 builds run the tiles of cpu_linear_avx2.h instead of the three paths below.)
  * By rows of x: up to 3 rows stream each block straight into the products, scales applied once per block
  * (sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k); 4 to 7 rows decode each block once for all of them;
  * from 8 rows on a group is dequantized whole into a panel and tiled over with accumulators kept in registers
