@@ -50,9 +50,6 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4, BF16_ROWS = 5 };
 #ifndef PANEL_ROWS
 #define PANEL_ROWS 8 /* from this many rows on, a group is dequantized whole once and tiled over */
 #endif
-#ifndef TILE8_PANEL_ROWS
-#define TILE8_PANEL_ROWS 1000000 /* AVX2: from this many rows on, the tiles read a dequantized panel */
-#endif
 #ifndef ROWS_PREFETCH
 #define ROWS_PREFETCH 4096
 #endif
@@ -644,7 +641,7 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
 #else
     const int dp4 = 0;
 #endif
-    int use_panels = M >= (TILE8 ? TILE8_PANEL_ROWS : PANEL_ROWS) && !dp4, failed = 0;
+    int use_panels = !TILE8 && M >= PANEL_ROWS && !dp4, failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         float *panels = use_panels ? aligned_alloc(64, sizeof(float) * PAIR * nb * KB * G) : NULL;
@@ -673,11 +670,7 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
                 for (int64_t i = 0; i < n_g; i++) {
                     int64_t g = g0 + i;
 #if TILE8
-                    if (use_panels)
-                        group8(F32, (const uint8_t *)(panels + i * nb * KB * G), KB * G * 4, nb, xr, ldx, rows, K,
-                               acc0);
-                    else
-                        group8(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, acc0);
+                    group8(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, acc0);
                     store_rows(acc0, rows, N - g * G < G ? (int)(N - g * G) : G, bias, yout, ldy, y_bf16, r0, g * G);
                     continue;
 #endif

@@ -69,14 +69,13 @@ static inline __attribute__((always_inline)) void tile8(const int fmt, const uin
     float tail[8][KB];
     for (int64_t b = 0; b < nb; b++, blk += bb) {
         const int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
-        const float *xr[8];
+        const float *xb = x + b * KB;
         int64_t ld = ldx;
         if (kn < KB) { /* K ends inside this block: the missing x are 0 (the packing's padding is finite) */
             memset(tail, 0, sizeof tail);
-            for (int r = 0; r < R; r++) memcpy(tail[r], x + r * ldx + b * KB, sizeof(float) * kn);
-            xr[0] = tail[0], ld = KB;
-        } else
-            xr[0] = x + b * KB;
+            for (int r = 0; r < R; r++) memcpy(tail[r], xb + r * ldx, sizeof(float) * kn);
+            xb = tail[0], ld = KB;
+        }
         if (h0 == 0)
             for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
         __m256 d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, m[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -86,8 +85,8 @@ static inline __attribute__((always_inline)) void tile8(const int fmt, const uin
             __m256 w0[2], w1[2];
             for (int c = 0; c < C; c++) widen8(fmt, blk, k, h0 + c, d[c], m[c], &w0[c], &w1[c]);
             for (int r = 0; r < R; r++) {
-                const __m256 x0 = _mm256_broadcast_ss(xr[0] + r * ld + k);
-                const __m256 x1 = _mm256_broadcast_ss(xr[0] + r * ld + k + 1);
+                const __m256 x0 = _mm256_broadcast_ss(xb + r * ld + k);
+                const __m256 x1 = _mm256_broadcast_ss(xb + r * ld + k + 1);
                 for (int c = 0; c < C; c++) {
                     a[r][c][0] = _mm256_fmadd_ps(x0, w0[c], a[r][c][0]);
                     a[r][c][S - 1] = _mm256_fmadd_ps(x1, w1[c], a[r][c][S - 1]);

@@ -30,62 +30,6 @@ static inline float store_f32(float x) { return x; }
 static inline float load_bf16(uint16_t x) { return bf16_to_f32(x); }
 static inline uint16_t store_bf16(float f) { return f32_to_bf16(f); }
 
-/* s[0:len] = softmax(s[0:len]), in place, in fp32 */
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(CPU_ATTENTION_PORTABLE)
-#include <immintrin.h>
-
-/* exp_f32 on 8 lanes (gcc does not vectorize it here: the scalar loop cost a third of the attention on AVX2) */
-static inline __m256 exp8(__m256 x) {
-    const __m256 v = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 big = _mm256_set1_ps(12582912.0f);
-    const __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), big), big);
-    const __m256 r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f),
-                                     _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    const __m256 y = _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
-    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
-}
-
-/* 8 lanes at a time, the sums in 8 partial sums then added in a fixed order */
-static void softmax_inplace(float *s, int len) {
-    const int n8 = len / 8 * 8;
-    float m = s[0], sum = 0.0f, lane[8];
-    __m256 mv = _mm256_set1_ps(s[0]), sv = _mm256_setzero_ps();
-    for (int t = 0; t < n8; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
-    _mm256_storeu_ps(lane, mv);
-    for (int i = 0; i < 8; i++) m = lane[i] > m ? lane[i] : m;
-    for (int t = n8; t < len; t++) m = s[t] > m ? s[t] : m;
-    const __m256 mb = _mm256_set1_ps(m);
-    for (int t = 0; t < n8; t += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
-        _mm256_storeu_ps(s + t, e);
-        sv = _mm256_add_ps(sv, e);
-    }
-    _mm256_storeu_ps(lane, sv);
-    for (int i = 0; i < 8; i++) sum += lane[i];
-    for (int t = n8; t < len; t++) sum += s[t] = exp_f32(s[t] - m);
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
-    for (int t = n8; t < len; t++) s[t] *= 1.0f / sum;
-}
-#else
-static void softmax_inplace(float *s, int len) {
-    float m = s[0], sum = 0.0f;
-    for (int t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
-    for (int t = 0; t < len; t++) s[t] = exp_f32(s[t] - m);
-    for (int t = 0; t < len; t++) sum += s[t];
-    const float inv = 1.0f / sum;
-    for (int t = 0; t < len; t++) s[t] *= inv;
-}
-#endif
-
 /* One (sequence, KV head) item: the `group` query heads of sequence b (qh = q + b * q_sb, oh = out + b * H * D)
  * that share KV head g, over its `len` tokens; `scores` is this thread's [group, padded] scratch. */
 
@@ -148,6 +92,62 @@ static inline vec sum_lanes(const vec *v) {
     __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
     __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+#define VECTOR_SOFTMAX 1
+/* exp_f32 on 8 lanes (gcc does not vectorize it here: the scalar loop cost a third of the attention on AVX2) */
+static inline __m256 exp8(__m256 x) {
+    const __m256 v = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 big = _mm256_set1_ps(12582912.0f);
+    const __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), big), big);
+    const __m256 r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f),
+                                     _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
+    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+}
+
+/* s[0:len] = softmax(s[0:len]), in place, in fp32: 8 lanes at a time, the sum in 8 partial sums added in a
+ * fixed order */
+static void softmax_inplace(float *s, int len) {
+    const int n8 = len / 8 * 8;
+    float m = s[0], sum = 0.0f, lane[8];
+    __m256 mv = _mm256_set1_ps(s[0]), sv = _mm256_setzero_ps();
+    for (int t = 0; t < n8; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+    _mm256_storeu_ps(lane, mv);
+    for (int i = 0; i < 8; i++) m = lane[i] > m ? lane[i] : m;
+    for (int t = n8; t < len; t++) m = s[t] > m ? s[t] : m;
+    const __m256 mb = _mm256_set1_ps(m);
+    for (int t = 0; t < n8; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
+        _mm256_storeu_ps(s + t, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    _mm256_storeu_ps(lane, sv);
+    for (int i = 0; i < 8; i++) sum += lane[i];
+    for (int t = n8; t < len; t++) sum += s[t] = exp_f32(s[t] - m);
+    const __m256 inv = _mm256_set1_ps(1.0f / sum);
+    for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
+    for (int t = n8; t < len; t++) s[t] *= 1.0f / sum;
+}
+#endif
+
+#if !defined(VECTOR_SOFTMAX)
+/* s[0:len] = softmax(s[0:len]), in place, in fp32 */
+static void softmax_inplace(float *s, int len) {
+    float m = s[0], sum = 0.0f;
+    for (int t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+    for (int t = 0; t < len; t++) s[t] = exp_f32(s[t] - m);
+    for (int t = 0; t < len; t++) sum += s[t];
+    const float inv = 1.0f / sum;
+    for (int t = 0; t < len; t++) s[t] *= inv;
 }
 #endif
 
