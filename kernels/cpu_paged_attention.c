@@ -67,6 +67,20 @@ static inline vec sum_lanes(const vec *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
 }
 
+#define vmax _mm512_max_ps
+#define vmin _mm512_min_ps
+#define vsub _mm512_sub_ps
+#define vfnmadd _mm512_fnmadd_ps
+/* 2^k for whole-numbered k */
+static inline vec vpow2(vec k) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23));
+}
+/* y where x <= lim, else +inf */
+static inline vec vinf_above(vec x, vec y, float lim) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vset1(lim), _CMP_GT_OQ), y, vset1(INFINITY));
+}
+
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(CPU_ATTENTION_PORTABLE)
 #include <immintrin.h>
 #define VECTORS 1
@@ -94,52 +108,60 @@ static inline vec sum_lanes(const vec *v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-#define VECTOR_SOFTMAX 1
-/* exp_f32 on 8 lanes (gcc does not vectorize it here: the scalar loop cost a third of the attention on AVX2) */
-static inline __m256 exp8(__m256 x) {
-    const __m256 v = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 big = _mm256_set1_ps(12582912.0f);
-    const __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), big), big);
-    const __m256 r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f),
-                                     _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), v));
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    const __m256 y = _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
-    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+#define vmax _mm256_max_ps
+#define vmin _mm256_min_ps
+#define vsub _mm256_sub_ps
+#define vfnmadd _mm256_fnmadd_ps
+static inline vec vpow2(vec k) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
 }
-
-/* s[0:len] = softmax(s[0:len]), in place, in fp32: 8 lanes at a time, the sum in 8 partial sums added in a
- * fixed order */
-static void softmax_inplace(float *s, int len) {
-    const int n8 = len / 8 * 8;
-    float m = s[0], sum = 0.0f, lane[8];
-    __m256 mv = _mm256_set1_ps(s[0]), sv = _mm256_setzero_ps();
-    for (int t = 0; t < n8; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
-    _mm256_storeu_ps(lane, mv);
-    for (int i = 0; i < 8; i++) m = lane[i] > m ? lane[i] : m;
-    for (int t = n8; t < len; t++) m = s[t] > m ? s[t] : m;
-    const __m256 mb = _mm256_set1_ps(m);
-    for (int t = 0; t < n8; t += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
-        _mm256_storeu_ps(s + t, e);
-        sv = _mm256_add_ps(sv, e);
-    }
-    _mm256_storeu_ps(lane, sv);
-    for (int i = 0; i < 8; i++) sum += lane[i];
-    for (int t = n8; t < len; t++) sum += s[t] = exp_f32(s[t] - m);
-    const __m256 inv = _mm256_set1_ps(1.0f / sum);
-    for (int t = 0; t < n8; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
-    for (int t = n8; t < len; t++) s[t] *= 1.0f / sum;
+static inline vec vinf_above(vec x, vec y, float lim) {
+    return _mm256_blendv_ps(y, vset1(INFINITY), _mm256_cmp_ps(x, vset1(lim), _CMP_GT_OQ));
 }
 #endif
 
-#if !defined(VECTOR_SOFTMAX)
+#if defined(VECTORS)
+/* exp_f32 on a vector (gcc does not vectorize the scalar one in the softmax loop, which cost a third of the
+ * attention's time) */
+static inline vec vexp(vec x) {
+    const vec v = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f)), big = vset1(12582912.0f);
+    const vec k = vsub(vfmadd(v, vset1(1.44269504088896341f), big), big);
+    const vec r = vfmadd(k, vset1(2.12194440e-4f), vfnmadd(k, vset1(0.693359375f), v));
+    vec p = vset1(1.9875691500e-4f);
+    p = vfmadd(p, r, vset1(1.3981999507e-3f));
+    p = vfmadd(p, r, vset1(8.3334519073e-3f));
+    p = vfmadd(p, r, vset1(4.1665795894e-2f));
+    p = vfmadd(p, r, vset1(1.6666665459e-1f));
+    p = vfmadd(p, r, vset1(5.0000001201e-1f));
+    const vec e = vadd(vfmadd(vmul(p, r), r, r), vset1(1.0f));
+    return vinf_above(x, vmul(e, vpow2(k)), 88.0f);
+}
+
+/* s[0:len] = softmax(s[0:len]), in place, in fp32: VLANES at a time (exp included), the sum in VLANES partial
+ * sums added in a fixed order */
+static void softmax_inplace(float *s, int len) {
+    const int nv = len / VLANES * VLANES;
+    float m = s[0], sum = 0.0f, lane[VLANES];
+    vec mv = vset1(s[0]), sv = vzero();
+    for (int t = 0; t < nv; t += VLANES) mv = vmax(mv, loadv_f32(s + t));
+    vstore(lane, mv);
+    for (int i = 0; i < VLANES; i++) m = lane[i] > m ? lane[i] : m;
+    for (int t = nv; t < len; t++) m = s[t] > m ? s[t] : m;
+    const vec mb = vset1(m);
+    for (int t = 0; t < nv; t += VLANES) {
+        const vec e = vexp(vsub(loadv_f32(s + t), mb));
+        vstore(s + t, e);
+        sv = vadd(sv, e);
+    }
+    vstore(lane, sv);
+    for (int i = 0; i < VLANES; i++) sum += lane[i];
+    for (int t = nv; t < len; t++) sum += s[t] = exp_f32(s[t] - m);
+    const vec inv = vset1(1.0f / sum);
+    for (int t = 0; t < nv; t += VLANES) vstore(s + t, vmul(loadv_f32(s + t), inv));
+    for (int t = nv; t < len; t++) s[t] *= 1.0f / sum;
+}
+#else
 /* s[0:len] = softmax(s[0:len]), in place, in fp32 */
 static void softmax_inplace(float *s, int len) {
     float m = s[0], sum = 0.0f;
