@@ -113,4 +113,4 @@ class EngineConfig:
     num_threads: int | None = None
     quantization: str = "none"  # CPU weight format: none, q8_0, q4_0, gguf (engine.weight_format)
     fused_decode_layers: bool = True  # bf16 on CPU, packed weights: a decode step's layers one C call each
-    fused_elementwise: bool = True  # bf16 on CPU: RMSNorm, rope, SiLU-and-mul as one-pass C kernels (False: torch)
+    fused_elementwise: bool = True  # CPU: C bf16 RMSNorm, rope, SiLU-and-mul, and greedy argmax (False: torch)

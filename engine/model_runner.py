@@ -79,9 +79,9 @@ class ModelRunner:
             kernels = quant_linear.load(cache_dir() / "kernels") if wants_kernels else None
             gguf = gguf_source(resolve_model(cfg.model)) if cfg.quantization == "gguf" else None
             log.info("%s", weight_format.apply(model, cfg.quantization, dtype, kernels, gguf))
-        if device.type == "cpu" and dtype == torch.bfloat16 and cfg.fused_elementwise:
+        if device.type == "cpu" and cfg.fused_elementwise:
             ops = cpu_elementwise.load(cache_dir() / "kernels")
-            if ops is not None:
+            if ops is not None and dtype == torch.bfloat16:
                 model.use_ops(ops.rms_norm, ops.apply_rope, ops.silu_and_mul)
                 log.info("element-wise steps: one-pass C kernels (%s)", cpu_elementwise.SOURCE.name)
         layout = plan_kv_cache(
@@ -94,7 +94,9 @@ class ModelRunner:
             layout.num_blocks * layout.block_nbytes / 2**20,
         )
         runner = cls(model, layout, cfg.attention_backend, device)
-        if ops is not None and kernels is not None and cfg.fused_decode_layers:
+        if ops is not None:
+            runner.sampler.argmax = ops.argmax
+        if ops is not None and dtype == torch.bfloat16 and kernels is not None and cfg.fused_decode_layers:
             log.info("decode steps: %s", runner._fuse_decode_layers())
         return runner
 

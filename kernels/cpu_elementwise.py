@@ -1,4 +1,5 @@
-"""RMSNorm, rotary embedding and SiLU-and-multiply in one pass each for bfloat16 on CPU (`cpu_elementwise.c`).
+"""RMSNorm, rotary embedding and SiLU-and-multiply in one pass each for bfloat16 on CPU (`cpu_elementwise.c`),
+and greedy decoding's argmax over a batch of logits.
 
 Each method takes what its torch counterpart takes (`kernels.rms_norm.rms_norm`, `kernels.rotary.apply_rope`,
 `kernels.activation.silu_and_mul`) and falls back to it for anything but bfloat16 CPU tensors laid out as the C
@@ -35,6 +36,8 @@ class CpuElementwise:
         self._silu.argtypes, self._silu.restype = [_P, _I64, _P, _I, _I, _I], _I
         self._rope = lib.rope_bf16
         self._rope.argtypes, self._rope.restype = [_P, _I64, _P, _P, _I64, _I, _I, _I, _I], _I
+        self._argmax = lib.argmax_rows
+        self._argmax.argtypes, self._argmax.restype = [_P, _I64, _I, _I, _I, _P, _P, _I], _I
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not (x.dim() == 2 and _ok(x) and _ok(weight) and weight.is_contiguous() and x.shape[1] % LANES == 0):
@@ -101,6 +104,33 @@ class CpuElementwise:
             x,
         )
         return x
+
+    def argmax(self, logits: torch.Tensor) -> tuple[list[int], set[int]] | None:
+        """Each row's first maximum, and the rows whose maximum is not finite (NaN, +inf, or no finite value), for
+        fp32 or bf16 CPU logits `[N, V]` with unit stride along V; None for anything else."""
+        if not (
+            logits.dim() == 2
+            and logits.device.type == "cpu"
+            and logits.dtype in (torch.float32, torch.bfloat16)
+            and logits.stride(1) == 1
+            and logits.shape[1] > 0
+        ):
+            return None
+        rows = logits.shape[0]
+        idx = torch.empty(rows, dtype=torch.int64)
+        bad = torch.empty(rows, dtype=torch.uint8)
+        rc = self._argmax(
+            logits.data_ptr(),
+            logits.stride(0),
+            int(logits.dtype == torch.bfloat16),
+            rows,
+            logits.shape[1],
+            idx.data_ptr(),
+            bad.data_ptr(),
+            torch.get_num_threads(),
+        )
+        self._check(rc, "argmax", logits)
+        return idx.tolist(), {i for i, b in enumerate(bad.tolist()) if b}
 
     @staticmethod
     def _check(rc: int, what: str, x: torch.Tensor) -> None:

@@ -1,4 +1,5 @@
-"""The one-pass C element-wise kernels for bf16 on CPU (kernels/cpu_elementwise.c) against the torch ops."""
+"""The one-pass C element-wise kernels for bf16 on CPU (kernels/cpu_elementwise.c) and the greedy argmax, against
+the torch ops."""
 
 from __future__ import annotations
 
@@ -69,6 +70,24 @@ def test_other_dtypes_and_layouts_take_the_torch_ops(ops):
     assert torch.equal(ops.rms_norm(odd, _bf16(40, seed=1), 1e-6), rms_norm(odd, _bf16(40, seed=1), 1e-6))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 17), (40, 1000), (2, 1)])
+def test_argmax_is_torchs_first_maximum_and_flags_non_finite_rows(ops, dtype, rows, vocab):
+    x = (torch.randn(rows, vocab + 5, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)[:, 3 : 3 + vocab]
+    if vocab > 1:
+        x[0, vocab // 2] = x[0, vocab - 1] = x[0].max() + 1  # a tie: the first one wins, as in torch
+    tokens, bad = ops.argmax(x)
+    assert tokens == x.float().argmax(-1).tolist() and bad == set()
+    if rows >= 3:
+        x[1, 0] = float("nan")
+        x[2] = float("-inf")  # nothing finite
+        x[-1, -1] = float("inf")
+        tokens, bad = ops.argmax(x)
+        assert bad == {1, 2, rows - 1}
+        assert tokens[3:-1] == x[3:-1].float().argmax(-1).tolist()
+    assert ops.argmax(x.to(torch.float16)) is None and ops.argmax(x.t()) is None  # the sampler's torch path
+
+
 def test_engine_greedy_tokens_with_and_without_the_kernels(tiny_model_dir):
     """The whole engine in bf16 (chunked prefill, continuous batching) gives the same tokens with the C kernels
     as with the torch ops."""
@@ -92,5 +111,6 @@ def test_engine_greedy_tokens_with_and_without_the_kernels(tiny_model_dir):
         )
         norm_op = engine.runner.model.model.norm.op
         assert isinstance(getattr(norm_op, "__self__", None), cpu_elementwise.CpuElementwise) == fused
+        assert (engine.runner.sampler.argmax is not None) == fused
         outputs[fused] = engine.generate(prompts, params)
     assert outputs[True] == outputs[False]

@@ -186,6 +186,22 @@ def test_tiny_temperature_is_greedy_and_bad_rows_fail_alone():
     assert greedy[0].token_id == 1 and isinstance(greedy[1], SamplingError)
 
 
+def test_greedy_rows_take_the_argmax_kernel_where_it_takes_the_logits():
+    calls = []
+
+    def kernel(logits: torch.Tensor) -> tuple[list[int], set[int]] | None:
+        calls.append(logits.shape)
+        return None if logits.dtype == torch.float16 else ([2] * logits.shape[0], {1})
+
+    s = Sampler(3, argmax=kernel)
+    logits = torch.tensor([[0.0, 5.0, 1.0], [1.0, 0.0, 3.0]])
+    out = s.sample(logits, [SamplingParams(temperature=0)] * 2, [[0], [0]], [1, 1])
+    assert out[0].token_id == 2 and isinstance(out[1], SamplingError)  # the kernel's answer
+    out = s.sample(logits.half(), [SamplingParams(temperature=0)] * 2, [[0], [0]], [1, 1])
+    assert [o.token_id for o in out] == [1, 2]  # it declined: torch's argmax
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1e-9])
 def test_non_finite_or_negative_temperature_is_invalid(value):
     with pytest.raises(ValueError, match="temperature"):
