@@ -31,7 +31,7 @@ static inline float load_bf16(uint16_t x) { return bf16_to_f32(x); }
 static inline uint16_t store_bf16(float f) { return f32_to_bf16(f); }
 
 /* One (sequence, KV head) item: the `group` query heads of sequence b (qh = q + b * q_sb, oh = out + b * H * D)
- * that share KV head g, over its `len` tokens; `scores` is this thread's [group, padded] scratch. */
+ * that share KV head g, over its `len` tokens; `scores` [group, padded] and `at` [padded] are this thread's scratch. */
 
 #if defined(__AVX512F__) && !defined(CPU_ATTENTION_PORTABLE)
 #include <immintrin.h>
@@ -173,6 +173,13 @@ static void softmax_inplace(float *s, int len) {
 }
 #endif
 
+/* at[t] = where token t's row for KV head g starts in the cache (elements): one pass over the block table, so the
+ * loops over tokens divide by nothing */
+static void item_offsets(const int64_t *table, int len, int g, int KVH, int D, int BS, int64_t *at) {
+    for (int t = 0, b = 0; t < len; b++)
+        for (int s = 0; s < BS && t < len; s++, t++) at[t] = ((table[b] * BS + s) * KVH + g) * D;
+}
+
 #if defined(VECTORS)
 static inline void prefetch_row(const void *p, int nbytes, int hint) {
     for (int off = 0; off < nbytes; off += 64) {
@@ -185,7 +192,8 @@ static inline void prefetch_row(const void *p, int nbytes, int hint) {
 #define ATTEND_ITEM(SUFFIX, T, STORE)                                                                                  \
     static void attend_item_##SUFFIX(const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *table,          \
                                      int len, T *oh, int g, int KVH, int D, int BS, float scale, int group,            \
-                                     int padded, float *scores) {                                                      \
+                                     int padded, float *scores, int64_t *at) {                                         \
+        item_offsets(table, len, g, KVH, D, BS, at);                                                                   \
         const int nc = D / VLANES;                                                                                     \
         vec qf[MAX_GROUP][CHUNKS], acc[MAX_GROUP][CHUNKS], part[MAX_GROUP][VLANES], row[CHUNKS];                       \
         float res[MAX_HEAD_DIM];                                                                                       \
@@ -196,11 +204,11 @@ static inline void prefetch_row(const void *p, int nbytes, int hint) {
         }                                                                                                              \
         for (int t0 = 0; t0 < len; t0 += VLANES) {                                                                     \
             const int n = len - t0 < VLANES ? len - t0 : VLANES;                                                       \
-            for (int t = 0; t < n; t++) rows[t] = k + ((table[(t0 + t) / BS] * BS + (t0 + t) % BS) * KVH + g) * D;     \
+            for (int t = 0; t < n; t++) rows[t] = k + at[t0 + t];                                                      \
             for (int t = t0 + VLANES; t < t0 + 2 * VLANES && t < len; t++)                                             \
-                prefetch_row(k + ((table[t / BS] * BS + t % BS) * KVH + g) * D, D * (int)sizeof(T), _MM_HINT_T0);      \
+                prefetch_row(k + at[t], D * (int)sizeof(T), _MM_HINT_T0);                                              \
             for (int t = t0; t < t0 + n; t++)                                                                          \
-                prefetch_row(v + ((table[t / BS] * BS + t % BS) * KVH + g) * D, D * (int)sizeof(T), _MM_HINT_T1);      \
+                prefetch_row(v + at[t], D * (int)sizeof(T), _MM_HINT_T1);                                              \
             for (int t = 0; t < n; t++) {                                                                              \
                 for (int c = 0; c < nc; c++) row[c] = loadv_##SUFFIX(rows[t] + c * VLANES);                            \
                 for (int j = 0; j < group; j++) {                                                                      \
@@ -228,7 +236,7 @@ static inline void prefetch_row(const void *p, int nbytes, int hint) {
                 softmax_inplace(scores + (size_t)j * padded, len);                                                     \
                 for (int c = 0; c < 8; c++) a[c] = vzero();                                                            \
                 for (int t = 0; t < len; t++) {                                                                        \
-                    const T *vr = v + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                   \
+                    const T *vr = v + at[t];                                                                           \
                     const vec p = vset1(pj[t]);                                                                        \
                     for (int c = 0; c < 8; c++) a[c] = vfmadd(p, loadv_##SUFFIX(vr + c * VLANES), a[c]);               \
                 }                                                                                                      \
@@ -243,7 +251,7 @@ static inline void prefetch_row(const void *p, int nbytes, int hint) {
             for (int c = 0; c < nc; c++) acc[j][c] = vzero();                                                          \
         }                                                                                                              \
         for (int t = 0; t < len; t++) {                                                                                \
-            const T *vr = v + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                           \
+            const T *vr = v + at[t];                                                                                   \
             for (int c = 0; c < nc; c++) row[c] = loadv_##SUFFIX(vr + c * VLANES);                                     \
             for (int j = 0; j < group; j++) {                                                                          \
                 const vec p = vset1(scores[(size_t)j * padded + t]);                                                   \
@@ -272,14 +280,15 @@ static inline float dot(const float *a, const float *b, int dim) {
 #define ATTEND_ITEM(SUFFIX, T, STORE)                                                                                  \
     static void attend_item_##SUFFIX(const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *table,          \
                                      int len, T *oh, int g, int KVH, int D, int BS, float scale, int group,            \
-                                     int padded, float *scores) {                                                      \
+                                     int padded, float *scores, int64_t *at) {                                         \
+        item_offsets(table, len, g, KVH, D, BS, at);                                                                   \
         float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];                            \
         for (int j = 0; j < group; j++) {                                                                              \
             const T *qr = qh + (int64_t)(g * group + j) * q_sh;                                                        \
             for (int d = 0; d < D; d++) qf[j][d] = load_##SUFFIX(qr[d]) * scale;                                       \
         }                                                                                                              \
         for (int t = 0; t < len; t++) {                                                                                \
-            const T *kr = k + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                           \
+            const T *kr = k + at[t];                                                                                   \
             for (int d = 0; d < D; d++) row[d] = load_##SUFFIX(kr[d]);                                                 \
             for (int j = 0; j < group; j++) scores[(size_t)j * padded + t] = dot(qf[j], row, D);                       \
         }                                                                                                              \
@@ -288,7 +297,7 @@ static inline float dot(const float *a, const float *b, int dim) {
             for (int d = 0; d < D; d++) acc[j][d] = 0.0f;                                                              \
         }                                                                                                              \
         for (int t = 0; t < len; t++) {                                                                                \
-            const T *vr = v + ((table[t / BS] * BS + t % BS) * KVH + g) * D;                                           \
+            const T *vr = v + at[t];                                                                                   \
             for (int d = 0; d < D; d++) row[d] = load_##SUFFIX(vr[d]);                                                 \
             for (int j = 0; j < group; j++) {                                                                          \
                 const float p = scores[(size_t)j * padded + t];                                                        \
@@ -318,14 +327,16 @@ ATTEND_ITEM(bf16, uint16_t, store_bf16)
         int failed = 0;                                                                                                \
         _Pragma("omp parallel num_threads(threads) reduction(|:failed)")                                               \
         {                                                                                                              \
-            float *scores = aligned_alloc(64, sizeof(float) * (size_t)group * (size_t)padded);                         \
+            float *scores = aligned_alloc(64, (sizeof(float) * group + sizeof(int64_t)) * (size_t)padded);             \
+            int64_t *at = (int64_t *)(scores + (size_t)group * padded);                                                \
             failed |= scores == NULL;                                                                                  \
             _Pragma("omp for schedule(static)")                                                                        \
             for (int item = 0; item < B * KVH; item++) {                                                               \
                 if (scores == NULL) continue;                                                                          \
                 const int b = item / KVH;                                                                              \
                 attend_item_##SUFFIX(q + b * q_sb, q_sh, k, v, tables + b * table_stride, lens[b],                     \
-                                     out + (int64_t)b * H * D, item % KVH, KVH, D, BS, scale, group, padded, scores);  \
+                                     out + (int64_t)b * H * D, item % KVH, KVH, D, BS, scale, group, padded, scores,   \
+                                     at);                                                                              \
             }                                                                                                          \
             free(scores);                                                                                              \
         }                                                                                                              \
