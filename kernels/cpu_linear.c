@@ -50,6 +50,9 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4, BF16_ROWS = 5 };
 #ifndef PANEL_ROWS
 #define PANEL_ROWS 8 /* from this many rows on, a group is dequantized whole once and tiled over */
 #endif
+#ifndef DP8_ROWS
+#define DP8_ROWS 1 /* Q8_0 against this many bf16 rows or more: vdpbf16ps (AVX512-BF16 builds) */
+#endif
 #ifndef ROWS_PREFETCH
 #define ROWS_PREFETCH 4096
 #endif
@@ -287,11 +290,28 @@ static inline void row_one_q4_dp(int fmt, const uint8_t *blk, int64_t bb, int64_
 #endif
 
 #if defined(__AVX512BF16__)
-/* Up to 8 bf16 rows against one group of 4-bit blocks with vdpbf16ps: each nibble pair is turned into bf16 once
- * for all the rows, each row's block sum is scaled once per block (d sum x q + m sum x, as row_one); acc[R][16]. */
-static inline __attribute__((always_inline)) void tile_q4_dp(int fmt, const uint8_t *blk, int64_t bb, int64_t nb,
-                                                             const uint16_t *x, int64_t ldx, const int R, int64_t K,
-                                                             const float *xs, float *acc) {
+/* Rows k = 2p, 2p + 1 of a Q8_0 block as 16 bf16 pairs (column c's two values in lane c), exactly: int8 values
+ * are exact in fp32 and in bf16. */
+static inline __m512bh pair_q8(const uint8_t *qs, int p) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)(qs + 2 * p * G));
+    const __m128i b = _mm_loadu_si128((const __m128i *)(qs + (2 * p + 1) * G));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a, b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(a, b)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* Byte row p of a 4-bit block (k = 2p low nibble, 2p + 1 high) as 16 bf16 pairs by one table lookup. */
+static inline __m512bh pair_q4(const uint8_t *qs, int p, __m512i lut) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + p * G)));
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), lut);
+}
+
+/* Up to 8 bf16 rows against one group of Q8_0 or 4-bit blocks with vdpbf16ps: each pair of weight rows is turned
+ * into bf16 once for all the rows, each row's block sum is scaled once per block (d sum x q, + m sum x for q4,
+ * as row_one); acc[R][16]. */
+static inline __attribute__((always_inline)) void tile_dp(const int fmt, const uint8_t *blk, int64_t bb, int64_t nb,
+                                                          const uint16_t *x, int64_t ldx, const int R, int64_t K,
+                                                          const float *xs, float *acc) {
     const __m512i lut = _mm512_loadu_si512(NIBBLE_BF16);
     float d[G] __attribute__((aligned(64))) = {0}, m[G] __attribute__((aligned(64))) = {0};
     __m512 a[8];
@@ -311,8 +331,7 @@ static inline __attribute__((always_inline)) void tile_q4_dp(int fmt, const uint
         for (int r = 0; r < R; r++) part[r] = _mm512_setzero_ps();
 #pragma GCC unroll 4
         for (int p = 0; p < KB / 2; p++) {
-            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + p * 16)));
-            __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), lut);
+            const __m512bh wv = fmt == Q8_0 ? pair_q8(qs, p) : pair_q4(qs, p, lut);
             for (int r = 0; r < R; r++) {
                 uint32_t pair;
                 memcpy(&pair, xr[r] + 2 * p, sizeof pair);
@@ -321,31 +340,44 @@ static inline __attribute__((always_inline)) void tile_q4_dp(int fmt, const uint
         }
         scales(fmt, blk, d, m);
         const __m512 dv = _mm512_load_ps(d), mv = _mm512_load_ps(m);
-        for (int r = 0; r < R; r++)
-            a[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nb + b]), _mm512_fmadd_ps(dv, part[r], a[r]));
+        for (int r = 0; r < R; r++) {
+            a[r] = _mm512_fmadd_ps(dv, part[r], a[r]);
+            if (fmt != Q8_0) a[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nb + b]), a[r]);
+        }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * G, a[r]);
 }
 
-static void group_q4_dp(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const uint16_t *x, int64_t ldx,
-                        int rows, int64_t K, const float *xs, float *acc) {
+#define TILE_DP(FMT)                                                                                                   \
+    switch (R) {                                                                                                       \
+    case 1: tile_dp(FMT, blk, bb, nb, xr, ldx, 1, K, xsr, ar); break;                                                  \
+    case 2: tile_dp(FMT, blk, bb, nb, xr, ldx, 2, K, xsr, ar); break;                                                  \
+    case 3: tile_dp(FMT, blk, bb, nb, xr, ldx, 3, K, xsr, ar); break;                                                  \
+    case 4: tile_dp(FMT, blk, bb, nb, xr, ldx, 4, K, xsr, ar); break;                                                  \
+    case 5: tile_dp(FMT, blk, bb, nb, xr, ldx, 5, K, xsr, ar); break;                                                  \
+    case 6: tile_dp(FMT, blk, bb, nb, xr, ldx, 6, K, xsr, ar); break;                                                  \
+    case 7: tile_dp(FMT, blk, bb, nb, xr, ldx, 7, K, xsr, ar); break;                                                  \
+    default: tile_dp(FMT, blk, bb, nb, xr, ldx, 8, K, xsr, ar);                                                        \
+    }
+
+/* A group against `rows` bf16 rows, 8 at a time (xs: the rows' block sums, 4-bit formats only). */
+static void group_dp(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const uint16_t *x, int64_t ldx, int rows,
+                     int64_t K, const float *xs, float *acc) {
     for (int r0 = 0; r0 < rows; r0 += 8) {
         const int R = rows - r0 < 8 ? rows - r0 : 8;
         const uint16_t *xr = x + r0 * ldx;
-        const float *xsr = xs + r0 * nb;
+        const float *xsr = xs ? xs + r0 * nb : NULL;
         float *ar = acc + r0 * G;
-        switch (R) {
-        case 1: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 1, K, xsr, ar); break;
-        case 2: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 2, K, xsr, ar); break;
-        case 3: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 3, K, xsr, ar); break;
-        case 4: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 4, K, xsr, ar); break;
-        case 5: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 5, K, xsr, ar); break;
-        case 6: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 6, K, xsr, ar); break;
-        case 7: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 7, K, xsr, ar); break;
-        default: tile_q4_dp(fmt, blk, bb, nb, xr, ldx, 8, K, xsr, ar);
+        if (fmt == Q8_0) {
+            TILE_DP(Q8_0)
+        } else if (fmt == Q4_0) {
+            TILE_DP(Q4_0)
+        } else {
+            TILE_DP(Q4_1)
         }
     }
 }
+#undef TILE_DP
 #endif
 
 /* One group for 4 to PANEL_ROWS rows: each block decoded once into L1 and used by every row, the block's scales
@@ -638,10 +670,11 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
     int64_t tasks = (groups + PAIR - 1) / PAIR;
 #if defined(__AVX512BF16__)
     const int dp4 = x_bf16 && minimum; /* 4-bit blocks and bf16 rows: vdpbf16ps, no fp32 panels */
+    const int dp8 = x_bf16 && fmt == Q8_0 && M >= DP8_ROWS;
 #else
-    const int dp4 = 0;
+    const int dp4 = 0, dp8 = 0;
 #endif
-    int use_panels = !TILE8 && M >= PANEL_ROWS && !dp4, failed = 0;
+    int use_panels = !TILE8 && M >= PANEL_ROWS && !dp4 && !dp8, failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         float *panels = use_panels ? aligned_alloc(64, sizeof(float) * PAIR * nb * KB * G) : NULL;
@@ -675,9 +708,9 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
                     continue;
 #endif
 #if defined(__AVX512BF16__)
-                    if (dp4 && rows > 1) {
+                    if ((dp4 && rows > 1) || dp8) {
                         const uint16_t *xb = (const uint16_t *)xin + r0 * ldx_in;
-                        group_q4_dp(fmt, w + g * nb * bb, bb, nb, xb, ldx_in, rows, K, xsr, acc0);
+                        group_dp(fmt, w + g * nb * bb, bb, nb, xb, ldx_in, rows, K, xsr, acc0);
                         store_rows(acc0, rows, N - g * G < G ? (int)(N - g * G) : G, bias, yout, ldy, y_bf16, r0,
                                    g * G);
                         continue;
