@@ -53,6 +53,14 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4, BF16_ROWS = 5 };
 #ifndef DP8_ROWS
 #define DP8_ROWS 1 /* Q8_0 against this many bf16 rows or more: vdpbf16ps (AVX512-BF16 builds) */
 #endif
+/* from this many bf16 rows on (Q8_0, 4-bit), vdpbf16ps tiles read each block's bf16 pairs from L1: Q8_0's pairs
+ * cost twice the instructions of a nibble lookup, so turning them over once pays from fewer rows */
+#ifndef DP_WIDE_ROWS_Q8
+#define DP_WIDE_ROWS_Q8 16
+#endif
+#ifndef DP_WIDE_ROWS_Q4
+#define DP_WIDE_ROWS_Q4 32
+#endif
 #ifndef ROWS_PREFETCH
 #define ROWS_PREFETCH 4096
 #endif
@@ -360,9 +368,75 @@ static inline __attribute__((always_inline)) void tile_dp(const int fmt, const u
     default: tile_dp(FMT, blk, bb, nb, xr, ldx, 8, K, xsr, ar);                                                        \
     }
 
-/* A group against `rows` bf16 rows, 8 at a time (xs: the rows' block sums, 4-bit formats only). */
+/* One block's products for R rows: wv, its 16 pairs of weight rows as bf16; x the rows at this block; the rows'
+ * running sums acc[R][16] (in L1) take d times each block sum, plus m times the row's sum of x (xs[r * nb], 4-bit
+ * formats; NULL for Q8_0). */
+static inline __attribute__((always_inline)) void block_rows_dp(const __m512bh *wv, const uint16_t *x, int64_t ldx,
+                                                                const int R, int kn, __m512 dv, __m512 mv,
+                                                                const float *xs, int64_t nb, float *acc) {
+    uint16_t tail[8][KB];
+    const uint16_t *xr[8];
+    if (kn < KB) { /* K ends inside this block: the missing x are 0 */
+        memset(tail, 0, sizeof tail);
+        for (int r = 0; r < R; r++) memcpy(tail[r], x + r * ldx, sizeof(uint16_t) * kn);
+    }
+    for (int r = 0; r < R; r++) xr[r] = kn < KB ? tail[r] : x + r * ldx;
+    __m512 part[8];
+    for (int r = 0; r < R; r++) part[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int p = 0; p < KB / 2; p++)
+        for (int r = 0; r < R; r++) {
+            uint32_t pair;
+            memcpy(&pair, xr[r] + 2 * p, sizeof pair);
+            part[r] = _mm512_dpbf16_ps(part[r], wv[p], (__m512bh)_mm512_set1_epi32((int)pair));
+        }
+    for (int r = 0; r < R; r++) {
+        __m512 a = _mm512_fmadd_ps(dv, part[r], _mm512_loadu_ps(acc + r * G));
+        if (xs) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nb]), a);
+        _mm512_storeu_ps(acc + r * G, a);
+    }
+}
+
+/* More than 8 rows: each block is turned into bf16 pairs once, into L1, and every tile of 8 rows reads it there
+ * (the tiles above would turn it over once per tile). */
+static void group_dp_wide(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const uint16_t *x, int64_t ldx,
+                          int rows, int64_t K, const float *xs, float *acc) {
+    const __m512i lut = _mm512_loadu_si512(NIBBLE_BF16);
+    __m512bh wv[KB / 2];
+    float d[G] __attribute__((aligned(64))) = {0}, m[G] __attribute__((aligned(64))) = {0};
+    memset(acc, 0, sizeof(float) * rows * G);
+    for (int64_t b = 0; b < nb; b++, blk += bb) {
+        const int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
+        for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
+        const uint8_t *qs = blk + (fmt == Q4_1 ? 64 : 32);
+        for (int p = 0; p < KB / 2; p++) wv[p] = fmt == Q8_0 ? pair_q8(qs, p) : pair_q4(qs, p, lut);
+        scales(fmt, blk, d, m);
+        const __m512 dv = _mm512_load_ps(d), mv = _mm512_load_ps(m);
+        for (int r0 = 0; r0 < rows; r0 += 8) {
+            const uint16_t *xr = x + r0 * ldx + b * KB;
+            const float *xsr = xs ? xs + r0 * nb + b : NULL;
+            float *ar = acc + r0 * G;
+            switch (rows - r0 < 8 ? rows - r0 : 8) {
+            case 1: block_rows_dp(wv, xr, ldx, 1, kn, dv, mv, xsr, nb, ar); break;
+            case 2: block_rows_dp(wv, xr, ldx, 2, kn, dv, mv, xsr, nb, ar); break;
+            case 3: block_rows_dp(wv, xr, ldx, 3, kn, dv, mv, xsr, nb, ar); break;
+            case 4: block_rows_dp(wv, xr, ldx, 4, kn, dv, mv, xsr, nb, ar); break;
+            case 5: block_rows_dp(wv, xr, ldx, 5, kn, dv, mv, xsr, nb, ar); break;
+            case 6: block_rows_dp(wv, xr, ldx, 6, kn, dv, mv, xsr, nb, ar); break;
+            case 7: block_rows_dp(wv, xr, ldx, 7, kn, dv, mv, xsr, nb, ar); break;
+            default: block_rows_dp(wv, xr, ldx, 8, kn, dv, mv, xsr, nb, ar);
+            }
+        }
+    }
+}
+
+/* A group against `rows` bf16 rows (xs: the rows' block sums, 4-bit formats only). */
 static void group_dp(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const uint16_t *x, int64_t ldx, int rows,
                      int64_t K, const float *xs, float *acc) {
+    if (rows >= (fmt == Q8_0 ? DP_WIDE_ROWS_Q8 : DP_WIDE_ROWS_Q4)) {
+        group_dp_wide(fmt, blk, bb, nb, x, ldx, rows, K, xs, acc);
+        return;
+    }
     for (int r0 = 0; r0 < rows; r0 += 8) {
         const int R = rows - r0 < 8 ? rows - r0 : 8;
         const uint16_t *xr = x + r0 * ldx;

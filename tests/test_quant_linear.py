@@ -12,7 +12,8 @@ from pdserve.kernels import cpu_isa, quant_linear
 from pdserve.kernels.quant_linear import FORMATS, Blocks, QuantLinear
 from tests.cpu_levels import LEVELS, build_for
 
-SHAPES = [  # (rows, out, in): every tile height of 1 to 8 rows, several tiles, more than a 64-row chunk
+SHAPES = [  # (rows, out, in): every tile height of 1 to 8 rows, several tiles, more than a 64-row chunk,
+    # 16+ and 32+ rows (vdpbf16ps reading each block's pairs from L1)
     (1, 16, 32),
     (1, 37, 100),
     (2, 40, 70),
@@ -23,6 +24,7 @@ SHAPES = [  # (rows, out, in): every tile height of 1 to 8 rows, several tiles, 
     (7, 17, 40),
     (8, 48, 64),
     (13, 130, 96),
+    (20, 40, 100),
     (70, 33, 160),
 ]
 
