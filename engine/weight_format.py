@@ -172,6 +172,11 @@ def apply(
             f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}) up to {quant_linear.BF16_ROWS_DECODE} rows, "
             "oneDNN's packed bf16 GEMM above (the weights are held twice)"
         )
+    if kernels.bf16_dot and dtype == torch.bfloat16 and set(formats) & {"q8_0", "q4_0", "q4_1"}:
+        return (
+            f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}, vdpbf16ps) at any row count for Q8_0 and 4-bit "
+            f"blocks, up to {kernels.prompt_rows} rows for the others, the fp32 GEMM over the dequantized weight above"
+        )
     return (
         f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}) up to {kernels.prompt_rows} rows, "
         "the fp32 GEMM over the dequantized weight above"
