@@ -56,7 +56,7 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4, BF16_ROWS = 5 };
 /* from this many bf16 rows on (Q8_0, 4-bit), vdpbf16ps tiles read each block's bf16 pairs from L1: Q8_0's pairs
  * cost twice the instructions of a nibble lookup, so turning them over once pays from fewer rows */
 #ifndef DP_WIDE_ROWS_Q8
-#define DP_WIDE_ROWS_Q8 16
+#define DP_WIDE_ROWS_Q8 9
 #endif
 #ifndef DP_WIDE_ROWS_Q4
 #define DP_WIDE_ROWS_Q4 32

@@ -24,7 +24,8 @@ SHAPES = [  # (rows, out, in): every tile height of 1 to 8 rows, several tiles, 
     (7, 17, 40),
     (8, 48, 64),
     (13, 130, 96),
-    (20, 40, 100),
+    (12, 40, 100),
+    (40, 40, 100),
     (70, 33, 160),
 ]
 
