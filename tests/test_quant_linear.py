@@ -13,7 +13,7 @@ from pdserve.kernels.quant_linear import FORMATS, Blocks, QuantLinear
 from tests.cpu_levels import LEVELS, build_for
 
 SHAPES = [  # (rows, out, in): every tile height of 1 to 8 rows, several tiles, more than a 64-row chunk,
-    # 16+ and 32+ rows (vdpbf16ps reading each block's pairs from L1)
+    # 9+ and 32+ rows (vdpbf16ps reading each block's pairs from L1)
     (1, 16, 32),
     (1, 37, 100),
     (2, 40, 70),
