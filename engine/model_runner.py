@@ -96,6 +96,7 @@ class ModelRunner:
         runner = cls(model, layout, cfg.attention_backend, device)
         if ops is not None:
             runner.sampler.argmax = ops.argmax
+            log.info("greedy sampling: argmax_rows (%s)", cpu_elementwise.SOURCE.name)
         if ops is not None and dtype == torch.bfloat16 and kernels is not None and cfg.fused_decode_layers:
             log.info("decode steps: %s", runner._fuse_decode_layers())
         return runner
