@@ -50,9 +50,6 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4, BF16_ROWS = 5 };
 #ifndef PANEL_ROWS
 #define PANEL_ROWS 8 /* from this many rows on, a group is dequantized whole once and tiled over */
 #endif
-#ifndef DP8_ROWS
-#define DP8_ROWS 1 /* Q8_0 against this many bf16 rows or more: vdpbf16ps (AVX512-BF16 builds) */
-#endif
 /* from this many bf16 rows on (Q8_0, 4-bit), vdpbf16ps tiles read each block's bf16 pairs from L1: Q8_0's pairs
  * cost twice the instructions of a nibble lookup, so turning them over once pays from fewer rows */
 #ifndef DP_WIDE_ROWS_Q8
@@ -725,29 +722,30 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
     if (M == 0) return 0;
     int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G;
     int minimum = !TILE8 && (fmt == Q4_0 || fmt == Q4_1); /* the tiles that need each block's sum of x */
+#if defined(__AVX512BF16__)
+    const int dp4 = x_bf16 && minimum; /* 4-bit blocks and bf16 rows: vdpbf16ps, no fp32 panels */
+    const int dp8 = x_bf16 && fmt == Q8_0; /* Q8_0 and bf16 rows: vdpbf16ps, which reads x as it is */
+#else
+    const int dp4 = 0, dp8 = 0;
+#endif
+    const int widen = x_bf16 && !dp8; /* the fp32 paths (and the 4-bit block sums) read x widened */
     float *scratch = NULL, *xs = NULL;
     const float *x = xin;
     __attribute__((unused)) const int64_t ldx_in = ldx;
-    if (x_bf16 || minimum) {
-        scratch = malloc(sizeof(float) * ((x_bf16 ? M * K : 0) + (minimum ? M * nb : 0)));
+    if (widen || minimum) {
+        scratch = malloc(sizeof(float) * ((widen ? M * K : 0) + (minimum ? M * nb : 0)));
         if (!scratch) return -2;
     }
-    if (x_bf16) {
+    if (widen) {
         for (int64_t r = 0; r < M; r++)
             for (int64_t k = 0; k < K; k++) scratch[r * K + k] = bf16_to_f32(((const uint16_t *)xin)[r * ldx + k]);
         x = scratch, ldx = K;
     }
     if (minimum) {
-        xs = scratch + (x_bf16 ? M * K : 0);
+        xs = scratch + (widen ? M * K : 0);
         block_sums(x, ldx, M, K, xs, nthreads);
     }
     int64_t tasks = (groups + PAIR - 1) / PAIR;
-#if defined(__AVX512BF16__)
-    const int dp4 = x_bf16 && minimum; /* 4-bit blocks and bf16 rows: vdpbf16ps, no fp32 panels */
-    const int dp8 = x_bf16 && fmt == Q8_0 && M >= DP8_ROWS;
-#else
-    const int dp4 = 0, dp8 = 0;
-#endif
     int use_panels = !TILE8 && M >= PANEL_ROWS && !dp4 && !dp8, failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
