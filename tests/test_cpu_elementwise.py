@@ -10,6 +10,7 @@ from pdserve.kernels import cpu_elementwise
 from pdserve.kernels.activation import silu_and_mul
 from pdserve.kernels.rms_norm import rms_norm
 from pdserve.kernels.rotary import apply_rope, rope_cache, rope_for_positions
+from tests.cpu_levels import LEVELS, build_for
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +71,21 @@ def test_other_dtypes_and_layouts_take_the_torch_ops(ops):
     assert torch.equal(ops.rms_norm(odd, _bf16(40, seed=1), 1e-6), rms_norm(odd, _bf16(40, seed=1), 1e-6))
 
 
+@pytest.fixture(scope="module", params=LEVELS)
+def level_ops(request, tmp_path_factory) -> cpu_elementwise.CpuElementwise:
+    """The kernels built for one CPU level this machine can execute (the cap chooses -march)."""
+    mp = pytest.MonkeyPatch()
+    build_for(mp, request.param)
+    built = cpu_elementwise.load(tmp_path_factory.mktemp(f"kernels-{request.param}"))
+    mp.undo()
+    assert built is not None, "this machine has gcc: the kernels must build"
+    return built
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 17), (40, 1000), (2, 1)])
-def test_argmax_is_torchs_first_maximum_and_flags_non_finite_rows(ops, dtype, rows, vocab):
+def test_argmax_is_torchs_first_maximum_and_flags_non_finite_rows(level_ops, dtype, rows, vocab):
+    ops = level_ops
     x = (torch.randn(rows, vocab + 5, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)[:, 3 : 3 + vocab]
     if vocab > 1:
         x[0, vocab // 2] = x[0, vocab - 1] = x[0].max() + 1  # a tie: the first one wins, as in torch
