@@ -5,7 +5,9 @@
  * or ctypes call costing 5-20 us in Python, against 150-200 us of arithmetic for a 135M model's layer at batch 1.
  * This file runs the same steps from C, calling the very functions the eager path calls (cpu_linear.c,
  * cpu_elementwise.c, cpu_paged_attention.c are compiled into this one library), with every bfloat16 rounding at
- * the same point, so a fused step equals an eager one bit for bit. Built and loaded by
+ * the same point, so a fused step equals an eager one bit for bit. `decoder_layers_bf16` runs a whole stack in one
+ * call: a worker's model thread shares the Python interpreter lock with its event loop, and each return to Python
+ * between layers waited for that lock while the loop streamed tokens out. Built and loaded by
  * kernels/cpu_decoder_layer.py. Returns 0, or the failing step's code: 10 + the norm's, 20 + qkv's, 30 + the
  * rotary's, 40 + attention's, 50 + o's, 60 + gate/up's, 70 + the activation's, 80 + down's, -2 out of memory.
  */
@@ -75,4 +77,16 @@ int decoder_layer_bf16(const Layer *L, const Step *S, uint16_t *x) {
 done:
     free(buf);
     return rc;
+}
+
+/* Layers 0..n-1 in turn; on a failure, its code, with the layer's index in *failed. */
+int decoder_layers_bf16(const Layer *layers, int n, const Step *S, uint16_t *x, int32_t *failed) {
+    for (int i = 0; i < n; i++) {
+        const int rc = decoder_layer_bf16(layers + i, S, x);
+        if (rc) {
+            *failed = i;
+            return rc;
+        }
+    }
+    return 0;
 }

@@ -112,6 +112,10 @@ class DecodeLayers:
     def __init__(self, lib: ctypes.CDLL, shape: LayerShape, layers: list[LayerWeights], max_rows: int) -> None:
         self._fn = lib.decoder_layer_bf16
         self._fn.argtypes, self._fn.restype = [_P, _P, _P], ctypes.c_int
+        self._stack = lib.decoder_layers_bf16
+        self._stack.argtypes = [_P, ctypes.c_int, _P, _P, ctypes.POINTER(ctypes.c_int32)]
+        self._stack.restype = ctypes.c_int
+        self._failed = ctypes.c_int32(0)
         self.shape, self.max_rows = shape, max_rows
         self._weights = layers  # keeps every pointer below alive
         self._layers = (_Layer * len(layers))()
@@ -187,12 +191,16 @@ class DecodeLayers:
         s.slots, s.lens = slots.data_ptr(), lens_t.data_ptr()
         s.tables, s.table_stride = tables.data_ptr(), tables.stride(0)
         xp = x.data_ptr()
+        if layer_hook is None:  # the whole stack in one call: one release of the interpreter lock, not one a layer
+            rc = self._stack(self._addrs[0], len(self._addrs), self._step_addr, xp, ctypes.byref(self._failed))
+            if rc:
+                raise RuntimeError(f"cpu decoder layer {self._failed.value} failed (code {rc}) on {x.shape[0]} rows")
+            return x
         for i, addr in enumerate(self._addrs):
             rc = self._fn(addr, self._step_addr, xp)
             if rc:
                 raise RuntimeError(f"cpu decoder layer {i} failed (code {rc}) on {x.shape[0]} rows")
-            if layer_hook is not None:
-                layer_hook(i)
+            layer_hook(i)
         return x
 
 

@@ -82,6 +82,7 @@ def _decode_batch(engine: EngineCore):
 
 
 def test_a_fused_step_equals_the_eager_step_bit_for_bit(tiny_model_dir, level):
+    """Layer by layer (with a hook), the whole stack in one call, and the eager path: the same bits."""
     engine = _engine(tiny_model_dir, "q4_0", True)
     runner = engine.runner
     inputs = runner.prepare(_decode_batch(engine))
@@ -90,6 +91,10 @@ def test_a_fused_step_equals_the_eager_step_bit_for_bit(tiny_model_dir, level):
     fused_logits = runner.forward(inputs, hooked.append)
     fused_cache = runner.kv_cache.clone()
     assert hooked == list(range(runner.config.num_layers))  # the layer hook still runs after every layer
+    runner.kv_cache.copy_(before)
+    stack_logits = runner.forward(inputs)  # no hook: the whole stack in one C call
+    assert torch.equal(runner.kv_cache, fused_cache)
+    assert torch.equal(stack_logits, fused_logits)
     layers, runner.model.decode_layers = runner.model.decode_layers, None
     runner.kv_cache.copy_(before)
     eager_logits = runner.forward(inputs)
