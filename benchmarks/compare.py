@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from pdserve.benchmarks.bench_stats import compute_metrics
@@ -65,6 +67,51 @@ def spawn(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Pop
         return subprocess.Popen(
             argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True
         )
+
+
+@contextlib.contextmanager
+def pdserve_up(log: Path, dtype: str, quantization: str, colocated: bool) -> Iterator[tuple[str, int]]:
+    """`pdserve up` (gateway and workers, or one colocated worker behind the gateway) on free loopback ports,
+    logging to `log`; yields the gateway's gRPC address and its HTTP port once it serves, and stops it all after."""
+    port, http = free_port(), free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "--log-level",
+        "WARNING",
+        "up",
+        "--dtype",
+        dtype,
+        "--quantization",
+        quantization,
+        "--port",
+        str(port),
+        "--prefill-port",
+        str(free_port()),
+        "--decode-port",
+        str(free_port()),
+        "--metrics-port",
+        "-1",
+        "--kv-cache-memory",
+        "1G",
+        "--max-num-seqs",
+        "64",
+        "--http-port",
+        str(http),
+    ]
+    if colocated:
+        argv.append("--colocated")
+    proc = spawn(argv, log, {"UCX_NET_DEVICES": "lo"})
+    try:
+        deadline = time.monotonic() + 600
+        while "serving;" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"pdserve up did not start (see {log})")
+            time.sleep(1)
+        yield f"127.0.0.1:{port}", http
+    finally:
+        stop([proc])
 
 
 async def _load(make_target, reqs, concurrency: int, warm):
@@ -212,44 +259,8 @@ class Runner:
         name = "pdserve-colocated" if colocated else "pdserve-disagg"
         if quantization != "none":
             name += f" ({quantization})"
-        port, http = free_port(), free_port()
         log = self.out / (name.replace(" (", "-").rstrip(")") + ".log")
-        argv = [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "--log-level",
-            "WARNING",
-            "up",
-            "--dtype",
-            self.args.dtype,
-            "--quantization",
-            quantization,
-            "--port",
-            str(port),
-            "--prefill-port",
-            str(free_port()),
-            "--decode-port",
-            str(free_port()),
-            "--metrics-port",
-            "-1",
-            "--kv-cache-memory",
-            "1G",
-            "--max-num-seqs",
-            "64",
-            "--http-port",
-            str(http),
-        ]
-        if colocated:
-            argv.append("--colocated")
-        proc = spawn(argv, log, {"UCX_NET_DEVICES": "lo"})
-        try:
-            deadline = time.monotonic() + 600
-            while "serving;" not in log.read_text():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not start (see {log.name})")
-                time.sleep(1)
-            address = f"127.0.0.1:{port}"
+        with pdserve_up(log, self.args.dtype, quantization, colocated) as (address, http):
             self.sweep(name, lambda: GrpcTarget(address))
             top = [max(self.args.concurrency)]
             self.sampled(name, lambda: GrpcTarget(address))
@@ -257,8 +268,6 @@ class Runner:
                 self.sweep(name + " (http)", lambda: OpenAITarget(f"http://127.0.0.1:{http}", ""), {}, top, prompts=2)
             if self.args.mixed_requests:
                 self.mixed(name, lambda: GrpcTarget(address))
-        finally:
-            stop([proc])
 
     def _vllm_env(self, bind: str) -> dict:
         return {

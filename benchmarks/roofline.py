@@ -2,11 +2,18 @@
 
     python -m pdserve.benchmarks.roofline [--formats fp32 bf16 q8_0 q4_0 gguf] [--threads 2] [--json out.json]
     PDSERVE_CPU_ISA=avx2 python -m pdserve.benchmarks.roofline      # the AVX2 paths on an AVX-512 machine
+    python -m pdserve.benchmarks.roofline --formats bf16 gguf --served   # and served through the gateway
 
 For each weight format it times the engine's decode step (batch 1 / 8 / 32, context 192: schedule, forward,
 sample) and a prompt's prefill (128 and 1024 tokens, one step each), and divides each by its limit: the bytes
 the step must read (weights once, plus the KV cache it attends over) at the measured bandwidth, or its flops at
 the measured fp32 GEMM rate, whichever is larger. A ratio of 1.0 is the machine's limit; 2.0 takes twice that.
+
+`--served` then starts `pdserve up --colocated` with each format and streams 128-token random prompts with 128
+greedy tokens out through the gateway's gRPC API at concurrency 1, 8 and 32: ITL p50 at c=1 and c=8 against the
+decode step's limit at that batch, and at c=32 the time per output token (1 / throughput) against what the machine
+needs per output token, its share of a decode step's limit at batch 32 plus its share of its prompt's prefill
+flops. Everything the server does counts (gRPC, the gateway, the load generator sharing the cores).
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ from pdserve.kernels import cpu_isa
 cpu_isa.apply_cap()  # before torch: the cap reaches torch's kernels too
 
 import argparse  # noqa: E402
+import asyncio  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -33,6 +42,8 @@ FORMATS = {  # name: (dtype, --quantization)
     "gguf-fp32": ("float32", "gguf"),  # the file's blocks, fp32 activations and KV cache
 }
 CONTEXT = 192
+SERVED = ((1, 16), (8, 32), (32, 64))  # (concurrency, requests)
+PROMPT, OUTPUT = 128, 128  # served request shape; CONTEXT is where a decode step of one sits on average
 
 
 @dataclass
@@ -46,6 +57,25 @@ class Row:
     @property
     def ratio(self) -> float:
         return self.ms / self.limit_ms
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What a step must read and compute, from the loaded model."""
+
+    weights: int  # bytes of weights a decode step reads
+    params: int  # multiply-adds per token in the linear layers
+    kv_token: int  # KV-cache bytes per token of context
+    attn: int  # num_layers * num_heads * head_dim: attention's multiply-adds per (query, key) pair / 2
+
+    def decode_limit(self, batch: int, context: int, bw: float, gemm: float) -> tuple[float, str]:
+        """ms of a decode step of `batch` sequences at `context` tokens, and which limit binds."""
+        by_bytes = (self.weights + batch * context * self.kv_token) / bw * 1e3
+        by_flops = 2 * batch * self.params / gemm * 1e3
+        return max(by_bytes, by_flops), "bytes" if by_bytes >= by_flops else "flops"
+
+    def prefill_flops(self, n: int) -> float:
+        return 2 * n * self.params + 2 * 2 * self.attn * n * n / 2
 
 
 def _best(fn, reps: int) -> float:
@@ -88,15 +118,18 @@ def _engine(fmt: str, batch: int):
     )
 
 
-def measure(fmt: str, bw: float, gemm: float, steps: int) -> list[Row]:
+def measure(fmt: str, bw: float, gemm: float, steps: int) -> tuple[list[Row], Sizes]:
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.weight_format import decode_linears, weight_bytes
 
     core = _engine(fmt, 32)
     cfg = core.runner.config
-    weights = weight_bytes(core.runner.model)
-    params = sum(m.in_features * m.out_features for m in decode_linears(core.runner.model))
-    kv_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * core.layout.element_size
+    sizes = Sizes(
+        weights=weight_bytes(core.runner.model),
+        params=sum(m.in_features * m.out_features for m in decode_linears(core.runner.model)),
+        kv_token=cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * core.layout.element_size,
+        attn=cfg.num_layers * cfg.num_heads * cfg.head_dim,
+    )
     rng = random.Random(0)
     rows: list[Row] = []
     greedy = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
@@ -111,13 +144,8 @@ def measure(fmt: str, bw: float, gemm: float, steps: int) -> list[Row]:
             times.append(time.perf_counter() - t)
         for s in seqs:
             core.abort(s)
-        ms = statistics.median(times) * 1e3
-        read = weights + batch * (CONTEXT + steps) * kv_token
-        flops = 2 * batch * params
-        by_bytes, by_flops = read / bw * 1e3, flops / gemm * 1e3
-        rows.append(
-            Row(fmt, f"decode b={batch}", ms, max(by_bytes, by_flops), "bytes" if by_bytes >= by_flops else "flops")
-        )
+        limit, bound = sizes.decode_limit(batch, CONTEXT + steps, bw, gemm)
+        rows.append(Row(fmt, f"decode b={batch}", statistics.median(times) * 1e3, limit, bound))
     for n in (128, 1024):
 
         def prefill(n: int = n) -> None:
@@ -127,9 +155,32 @@ def measure(fmt: str, bw: float, gemm: float, steps: int) -> list[Row]:
                 core.step()
 
         ms = _best(prefill, 3) * 1e3
-        attn = 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n / 2
-        flops = 2 * n * params + attn
-        rows.append(Row(fmt, f"prefill {n}", ms, flops / gemm * 1e3, "flops"))
+        rows.append(Row(fmt, f"prefill {n}", ms, sizes.prefill_flops(n) / gemm * 1e3, "flops"))
+    return rows, sizes
+
+
+def served(fmt: str, sizes: Sizes, bw: float, gemm: float, log: Path) -> list[Row]:
+    """The format served by `pdserve up --colocated` at each concurrency of SERVED (see the module's docstring)."""
+    from pdserve.benchmarks.bench_stats import compute_metrics
+    from pdserve.benchmarks.compare import _load, pdserve_up
+    from pdserve.benchmarks.load_gen import GrpcTarget, make_requests
+
+    dtype, quantization = FORMATS[fmt]
+    rows: list[Row] = []
+    with pdserve_up(log, dtype, quantization, colocated=True) as (address, _):
+        for concurrency, n in SERVED:
+            reqs = make_requests(n, [PROMPT], OUTPUT, concurrency, None, vocab=(1000, 40000))
+            warm = make_requests(2, [PROMPT], 8, 1000 + concurrency, None, vocab=(1000, 40000))
+            results, duration, peak = asyncio.run(_load(lambda: GrpcTarget(address), reqs, concurrency, warm))
+            m = compute_metrics(results, duration, [50], None, peak)
+            if m.failed:
+                raise RuntimeError(f"{m.failed} of {n} requests failed serving {fmt} (see {log})")
+            limit, bound = sizes.decode_limit(concurrency, CONTEXT, bw, gemm)
+            if concurrency < 32:
+                rows.append(Row(fmt, f"served c={concurrency} ITL p50", m.itl_ms.median, limit, bound))
+            else:  # a token's share of a full decode step and of its prompt's prefill
+                per_token = limit / concurrency + sizes.prefill_flops(PROMPT) / OUTPUT / gemm * 1e3
+                rows.append(Row(fmt, "served c=32 ms/token", 1e3 / m.output_throughput, per_token, "flops"))
     return rows
 
 
@@ -139,6 +190,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12, help="decode steps timed per batch size (median)")
     ap.add_argument("--json", help="write the rows and the limits here")
+    ap.add_argument("--served", action="store_true", help="also serve each format at c=1, 8, 32 (see above)")
+    ap.add_argument("--log-dir", type=Path, default=Path("."), help="where --served writes the server's logs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     flags = sorted(f for f in cpu_isa.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
@@ -149,7 +202,10 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | --- | ---: |")
     rows: list[Row] = []
     for fmt in args.formats:
-        for row in measure(fmt, bw, gemm, args.steps):
+        measured, sizes = measure(fmt, bw, gemm, args.steps)
+        if args.served:
+            measured += served(fmt, sizes, bw, gemm, args.log_dir / f"roofline-served-{fmt}.log")
+        for row in measured:
             rows.append(row)
             print(f"| {row.format} | {row.what} | {row.ms:.1f} | {row.limit_ms:.1f} | {row.bound} | {row.ratio:.2f} |")
     if args.json:
