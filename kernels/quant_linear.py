@@ -146,8 +146,9 @@ def concat(parts: list[Blocks]) -> Blocks:
     )
 
 
-def pack(b: Blocks) -> torch.Tensor:
-    """The kernel's layout (see `cpu_linear.c`): uint8, groups of 16 rows, each a run of its blocks."""
+def pack(b: Blocks, q4_chunks: bool = False) -> torch.Tensor:
+    """The kernel's layout (see `cpu_linear.c`): uint8, groups of 16 rows, each a run of its blocks; 4-bit quants
+    in chunks (`q4_chunks`: what AVX-512 builds read) or bytes (`CpuLinear.q4_chunks` says which)."""
     n, nb = b.n, num_blocks(b.k)
     groups = (n + GROUP - 1) // GROUP
     pad = groups * GROUP - n
@@ -172,7 +173,10 @@ def pack(b: Blocks) -> torch.Tensor:
         scales.append(by_group(b.m).contiguous().view(torch.uint8))
     if b.fmt == "q8_0":
         body = q.contiguous().view(torch.uint8)
-    else:
+    elif q4_chunks:  # chunks of 8 k: word [chunk][c][s] holds k = 8 chunk + 2i + s in nibble i
+        n4 = q.reshape(groups, nb, 4, 4, 2, GROUP).permute(0, 1, 2, 5, 4, 3)  # [.., chunk, c, s, i]
+        body = torch.stack([n4[..., 0] | (n4[..., 1] << 4), n4[..., 2] | (n4[..., 3] << 4)], dim=-1).contiguous()
+    else:  # bytes: [p][c] holds k = 2p low, 2p + 1 high
         body = (q[:, :, 0::2] | (q[:, :, 1::2] << 4)).contiguous()
     parts = [s.reshape(groups, nb, -1) for s in scales] + [body.reshape(groups, nb, -1)]
     return torch.cat(parts, dim=-1).reshape(-1).contiguous()
@@ -189,7 +193,9 @@ class CpuLinear:
         self._dequant.argtypes, self._dequant.restype = [_P, _I, _I64, _I64, _P, _I], _I
         self._scratch = torch.empty(0)
         self.prompt_rows = PROMPT_ROWS[level]  # where this level's kernel stops beating dequantize + torch's GEMM
-        self.bf16_dot = bool(lib.features() & 1)  # vdpbf16ps: bf16 rows against Q8_0 / 4-bit blocks, 2x fp32's rate
+        features = lib.features()
+        self.bf16_dot = bool(features & 1)  # vdpbf16ps: bf16 rows against Q8_0 / 4-bit blocks, 2x fp32's rate
+        self.q4_chunks = bool(features & 2)  # the 4-bit quants' layout this build reads (`pack`)
 
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, fmt: str, n: int, bias: torch.Tensor | None
@@ -254,7 +260,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.prompt = prompt
         self.fmt, self.in_features, self.out_features = blocks.fmt, blocks.k, blocks.n
-        self.register_buffer("packed", pack(blocks), persistent=False)
+        self.register_buffer("packed", pack(blocks, kernels.q4_chunks), persistent=False)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernels = kernels
         self.nbytes = int(self.packed.numel())

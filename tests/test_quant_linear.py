@@ -55,7 +55,7 @@ def test_the_product_is_the_fp32_product_of_the_dequantized_weights(kernels, fmt
     w, x, bias = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
     blocks = quant_linear.quantize(w, fmt)
     dense = quant_linear.dequantize(blocks)
-    packed = quant_linear.pack(blocks)
+    packed = quant_linear.pack(blocks, kernels.q4_chunks)
     out = kernels.linear(x, packed, fmt, n, bias)
     ref = x.double() @ dense.double().T + bias.double()
     assert out.shape == (m, n) and out.dtype == torch.float32
@@ -69,6 +69,21 @@ def test_the_product_is_the_fp32_product_of_the_dequantized_weights(kernels, fmt
     # the whole weight back as fp32: what prompt shapes multiply
     back = kernels.dequantize(packed, fmt, n, k)
     assert back.shape == (k, n) and torch.allclose(back.t(), dense, rtol=2e-7, atol=0)
+
+
+def test_4_bit_quants_are_laid_out_for_the_vector_width(kernels, request):
+    """AVX-512 builds read 4-bit quants in 64-byte chunks, the others a byte per (k pair, column); pack writes the
+    layout the build reports, and both hold the same quants."""
+    level = request.node.callspec.params["kernels"]
+    wide = cpu_isa.detected() == "avx512" if level == "native" else level == "avx512"
+    assert kernels.q4_chunks == wide
+    blocks = quant_linear.quantize(torch.randn(20, 70), "q4_1")
+    chunks, nibbles = quant_linear.pack(blocks, True), quant_linear.pack(blocks, False)
+    assert chunks.numel() == nibbles.numel() and not torch.equal(chunks, nibbles)
+    assert torch.equal(
+        chunks.bitwise_and(15).sum() + chunks.bitwise_right_shift(4).sum(),
+        nibbles.bitwise_and(15).sum() + nibbles.bitwise_right_shift(4).sum(),
+    )
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
