@@ -2,18 +2,20 @@
 
     python -m pdserve.benchmarks.roofline [--formats fp32 bf16 q8_0 q4_0 gguf] [--threads 2] [--json out.json]
     PDSERVE_CPU_ISA=avx2 python -m pdserve.benchmarks.roofline      # the AVX2 paths on an AVX-512 machine
-    python -m pdserve.benchmarks.roofline --formats bf16 gguf --served   # and served through the gateway
+    python -m pdserve.benchmarks.roofline --formats fp32 bf16 gguf --served bf16 gguf   # and served
 
 For each weight format it times the engine's decode step (batch 1 / 8 / 32, context 192: schedule, forward,
 sample) and a prompt's prefill (128 and 1024 tokens, one step each), and divides each by its limit: the bytes
 the step must read (weights once, plus the KV cache it attends over) at the measured bandwidth, or its flops at
-the measured fp32 GEMM rate, whichever is larger. A ratio of 1.0 is the machine's limit; 2.0 takes twice that.
+the measured fp32 GEMM rate, whichever is larger (each limit the best of the measurements taken before and after
+every format). A ratio of 1.0 is the machine's limit; 2.0 takes twice that.
 
-`--served` then starts `pdserve up --colocated` with each format and streams 128-token random prompts with 128
-greedy tokens out through the gateway's gRPC API at concurrency 1, 8 and 32: ITL p50 at c=1 and c=8 against the
-decode step's limit at that batch, and at c=32 the time per output token (1 / throughput) against what the machine
-needs per output token, its share of a decode step's limit at batch 32 plus its share of its prompt's prefill
-flops. Everything the server does counts (gRPC, the gateway, the load generator sharing the cores).
+`--served` then starts `pdserve up --colocated` with each format it names (all, naming none) and streams 128-token
+random prompts with 128 greedy tokens out through the gateway's gRPC API at concurrency 1, 8 and 32: ITL p50 at c=1
+and c=8 against the decode step's limit at that batch, and at c=32 the time per output token (1 / throughput)
+against what the machine needs per output token, its share of a decode step's limit at batch 32 plus its share of
+its prompt's prefill flops. Everything the server does counts (gRPC, the gateway, the load generator sharing the
+cores).
 """
 
 from __future__ import annotations
@@ -51,8 +53,14 @@ class Row:
     format: str
     what: str
     ms: float
-    limit_ms: float
-    bound: str  # "bytes" or "flops": which limit binds
+    bytes: float  # what it must read
+    flops: float  # what it must compute
+    limit_ms: float = 0.0  # bind() sets these two
+    bound: str = ""  # "bytes" or "flops": which limit binds
+
+    def bind(self, bw: float, gemm: float) -> None:
+        by_bytes, by_flops = self.bytes / bw * 1e3, self.flops / gemm * 1e3
+        self.limit_ms, self.bound = max(by_bytes, by_flops), "bytes" if by_bytes >= by_flops else "flops"
 
     @property
     def ratio(self) -> float:
@@ -68,11 +76,9 @@ class Sizes:
     kv_token: int  # KV-cache bytes per token of context
     attn: int  # num_layers * num_heads * head_dim: attention's multiply-adds per (query, key) pair / 2
 
-    def decode_limit(self, batch: int, context: int, bw: float, gemm: float) -> tuple[float, str]:
-        """ms of a decode step of `batch` sequences at `context` tokens, and which limit binds."""
-        by_bytes = (self.weights + batch * context * self.kv_token) / bw * 1e3
-        by_flops = 2 * batch * self.params / gemm * 1e3
-        return max(by_bytes, by_flops), "bytes" if by_bytes >= by_flops else "flops"
+    def decode(self, batch: int, context: int) -> tuple[float, float]:
+        """Bytes and flops of a decode step of `batch` sequences at `context` tokens."""
+        return self.weights + batch * context * self.kv_token, 2 * batch * self.params
 
     def prefill_flops(self, n: int) -> float:
         return 2 * n * self.params + 2 * 2 * self.attn * n * n / 2
@@ -118,7 +124,7 @@ def _engine(fmt: str, batch: int):
     )
 
 
-def measure(fmt: str, bw: float, gemm: float, steps: int) -> tuple[list[Row], Sizes]:
+def measure(fmt: str, steps: int) -> tuple[list[Row], Sizes]:
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.weight_format import decode_linears, weight_bytes
 
@@ -144,8 +150,9 @@ def measure(fmt: str, bw: float, gemm: float, steps: int) -> tuple[list[Row], Si
             times.append(time.perf_counter() - t)
         for s in seqs:
             core.abort(s)
-        limit, bound = sizes.decode_limit(batch, CONTEXT + steps, bw, gemm)
-        rows.append(Row(fmt, f"decode b={batch}", statistics.median(times) * 1e3, limit, bound))
+        rows.append(
+            Row(fmt, f"decode b={batch}", statistics.median(times) * 1e3, *sizes.decode(batch, CONTEXT + steps))
+        )
     for n in (128, 1024):
 
         def prefill(n: int = n) -> None:
@@ -155,11 +162,11 @@ def measure(fmt: str, bw: float, gemm: float, steps: int) -> tuple[list[Row], Si
                 core.step()
 
         ms = _best(prefill, 3) * 1e3
-        rows.append(Row(fmt, f"prefill {n}", ms, sizes.prefill_flops(n) / gemm * 1e3, "flops"))
+        rows.append(Row(fmt, f"prefill {n}", ms, 0, sizes.prefill_flops(n)))
     return rows, sizes
 
 
-def served(fmt: str, sizes: Sizes, bw: float, gemm: float, log: Path) -> list[Row]:
+def served(fmt: str, sizes: Sizes, log: Path) -> list[Row]:
     """The format served by `pdserve up --colocated` at each concurrency of SERVED (see the module's docstring)."""
     from pdserve.benchmarks.bench_stats import compute_metrics
     from pdserve.benchmarks.compare import _load, pdserve_up
@@ -175,12 +182,12 @@ def served(fmt: str, sizes: Sizes, bw: float, gemm: float, log: Path) -> list[Ro
             m = compute_metrics(results, duration, [50], None, peak)
             if m.failed:
                 raise RuntimeError(f"{m.failed} of {n} requests failed serving {fmt} (see {log})")
-            limit, bound = sizes.decode_limit(concurrency, CONTEXT, bw, gemm)
+            read, flops = sizes.decode(concurrency, CONTEXT)
             if concurrency < 32:
-                rows.append(Row(fmt, f"served c={concurrency} ITL p50", m.itl_ms.median, limit, bound))
+                rows.append(Row(fmt, f"served c={concurrency} ITL p50", m.itl_ms.median, read, flops))
             else:  # a token's share of a full decode step and of its prompt's prefill
-                per_token = limit / concurrency + sizes.prefill_flops(PROMPT) / OUTPUT / gemm * 1e3
-                rows.append(Row(fmt, "served c=32 ms/token", 1e3 / m.output_throughput, per_token, "flops"))
+                flops = flops / concurrency + sizes.prefill_flops(PROMPT) / OUTPUT
+                rows.append(Row(fmt, "served c=32 ms/token", 1e3 / m.output_throughput, read / concurrency, flops))
     return rows
 
 
@@ -190,24 +197,30 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12, help="decode steps timed per batch size (median)")
     ap.add_argument("--json", help="write the rows and the limits here")
-    ap.add_argument("--served", action="store_true", help="also serve each format at c=1, 8, 32 (see above)")
+    ap.add_argument(
+        "--served", nargs="*", choices=list(FORMATS), help="also serve these formats (none named: all) at c=1, 8, 32"
+    )
     ap.add_argument("--log-dir", type=Path, default=Path("."), help="where --served writes the server's logs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     flags = sorted(f for f in cpu_isa.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+    # the limits before and after each format, the best of them kept: neighbours on a shared machine lower both
+    # the limits and the steps, and a limit taken in a slow minute would flatter every step timed in a fast one
     bw, gemm = bandwidth(), gemm_rate()
-    print(f"CPU level {cpu_isa.level()} (flags: {' '.join(flags)}), {args.threads} threads")
-    print(f"limits: streaming read {bw / 1e9:.1f} GB/s, fp32 GEMM {gemm / 1e9:.0f} GFLOP/s\n")
-    print("| format | step | ms | limit ms | bound by | ratio |")
-    print("| --- | --- | ---: | ---: | --- | ---: |")
     rows: list[Row] = []
     for fmt in args.formats:
-        measured, sizes = measure(fmt, bw, gemm, args.steps)
-        if args.served:
-            measured += served(fmt, sizes, bw, gemm, args.log_dir / f"roofline-served-{fmt}.log")
-        for row in measured:
-            rows.append(row)
-            print(f"| {row.format} | {row.what} | {row.ms:.1f} | {row.limit_ms:.1f} | {row.bound} | {row.ratio:.2f} |")
+        measured, sizes = measure(fmt, args.steps)
+        if args.served is not None and (not args.served or fmt in args.served):
+            measured += served(fmt, sizes, args.log_dir / f"roofline-served-{fmt}.log")
+        rows += measured
+        bw, gemm = max(bw, bandwidth()), max(gemm, gemm_rate())
+    print(f"CPU level {cpu_isa.level()} (flags: {' '.join(flags)}), {args.threads} threads")
+    print(f"limits (best in the run): streaming read {bw / 1e9:.1f} GB/s, fp32 GEMM {gemm / 1e9:.0f} GFLOP/s\n")
+    print("| format | step | ms | limit ms | bound by | ratio |")
+    print("| --- | --- | ---: | ---: | --- | ---: |")
+    for row in rows:
+        row.bind(bw, gemm)
+        print(f"| {row.format} | {row.what} | {row.ms:.1f} | {row.limit_ms:.1f} | {row.bound} | {row.ratio:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
