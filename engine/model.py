@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         rope = rope_for_positions(self.rope, positions, x.dtype)
         fused = self.decode_layers
         if fused is not None and len(meta.seq_lens) == x.shape[0] and fused.takes(x, kv_caches):
-            # one token per sequence: the whole layer stack in one C call per layer
+            # one token per sequence: the whole layer stack in C (one call, or one a layer with a hook)
             x = fused.run(x, *rope, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens, layer_hook)
             return self.model.norm(x)
         for i, layer in enumerate(self.model.layers):

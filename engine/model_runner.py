@@ -102,8 +102,8 @@ class ModelRunner:
         return runner
 
     def _fuse_decode_layers(self) -> str:
-        """Bind pure decode steps to one C call per layer where everything that call runs is what the eager
-        layer would run (cpu_linear.c, the C element-wise ops, the C attention); say which."""
+        """Bind pure decode steps to the C layer stack where everything it runs is what the eager layers would
+        run (cpu_linear.c, the C element-wise ops, the C attention); say which."""
         eager = "layer by layer in torch and ctypes calls ({})".format
         weights = self.model.layer_weights()
         if isinstance(weights, str):
@@ -122,7 +122,7 @@ class ModelRunner:
         if not layers.supports_cache(self.kv_cache):
             return eager("a KV cache the C layer does not take")
         self.model.decode_layers = layers
-        return f"one C call per layer ({cpu_decoder_layer.SOURCE.name}) for up to {max_rows} rows"
+        return f"the layer stack in one C call ({cpu_decoder_layer.SOURCE.name}) for up to {max_rows} rows"
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
         bs = self.layout.block_size
