@@ -114,7 +114,7 @@ def pdserve_up(log: Path, dtype: str, quantization: str, colocated: bool) -> Ite
         stop([proc])
 
 
-async def _load(make_target, reqs, concurrency: int, warm):
+async def load_target(make_target, reqs, concurrency: int, warm):
     """Targets open their channels/sessions inside the running loop, and are closed after."""
     target = make_target()
     try:
@@ -174,7 +174,7 @@ class Runner:
             warm = self.requests(2, seed=1000 + c + 10_000 * prompts)
             for w in warm:
                 w.output_len = 8
-            results, duration, peak = asyncio.run(_load(target, reqs, c, warm))
+            results, duration, peak = asyncio.run(load_target(target, reqs, c, warm))
             self.record(system, c, compute_metrics(results, duration, [50, 90, 99], None, peak).as_dict(), label_extra)
 
     def sampled(self, system: str, target) -> None:
@@ -200,7 +200,7 @@ class Runner:
             [1 - a.mixed_long_fraction, a.mixed_long_fraction],
             vocab=(1000, 40000),
         )
-        results, duration, peak = asyncio.run(_load(target, reqs, a.mixed_concurrency, []))
+        results, duration, peak = asyncio.run(load_target(target, reqs, a.mixed_concurrency, []))
         self.record(
             system + " (mixed)",
             a.mixed_concurrency,

@@ -169,7 +169,7 @@ def measure(fmt: str, steps: int) -> tuple[list[Row], Sizes]:
 def served(fmt: str, sizes: Sizes, log: Path) -> list[Row]:
     """The format served by `pdserve up --colocated` at each concurrency of SERVED (see the module's docstring)."""
     from pdserve.benchmarks.bench_stats import compute_metrics
-    from pdserve.benchmarks.compare import _load, pdserve_up
+    from pdserve.benchmarks.compare import load_target, pdserve_up
     from pdserve.benchmarks.load_gen import GrpcTarget, make_requests
 
     dtype, quantization = FORMATS[fmt]
@@ -178,16 +178,17 @@ def served(fmt: str, sizes: Sizes, log: Path) -> list[Row]:
         for concurrency, n in SERVED:
             reqs = make_requests(n, [PROMPT], OUTPUT, concurrency, None, vocab=(1000, 40000))
             warm = make_requests(2, [PROMPT], 8, 1000 + concurrency, None, vocab=(1000, 40000))
-            results, duration, peak = asyncio.run(_load(lambda: GrpcTarget(address), reqs, concurrency, warm))
+            results, duration, peak = asyncio.run(load_target(lambda: GrpcTarget(address), reqs, concurrency, warm))
             m = compute_metrics(results, duration, [50], None, peak)
             if m.failed:
                 raise RuntimeError(f"{m.failed} of {n} requests failed serving {fmt} (see {log})")
             read, flops = sizes.decode(concurrency, CONTEXT)
-            if concurrency < 32:
+            if concurrency != SERVED[-1][0]:
                 rows.append(Row(fmt, f"served c={concurrency} ITL p50", m.itl_ms.median, read, flops))
-            else:  # a token's share of a full decode step and of its prompt's prefill
+            else:  # the top concurrency: a token's share of a full decode step and of its prompt's prefill
                 flops = flops / concurrency + sizes.prefill_flops(PROMPT) / OUTPUT
-                rows.append(Row(fmt, "served c=32 ms/token", 1e3 / m.output_throughput, read / concurrency, flops))
+                ms = 1e3 / m.output_throughput
+                rows.append(Row(fmt, f"served c={concurrency} ms/token", ms, read / concurrency, flops))
     return rows
 
 

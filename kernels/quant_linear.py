@@ -146,7 +146,7 @@ def concat(parts: list[Blocks]) -> Blocks:
     )
 
 
-def pack(b: Blocks, q4_chunks: bool = False) -> torch.Tensor:
+def pack(b: Blocks, q4_chunks: bool) -> torch.Tensor:
     """The kernel's layout (see `cpu_linear.c`): uint8, groups of 16 rows, each a run of its blocks; 4-bit quants
     in chunks (`q4_chunks`: what AVX-512 builds read) or bytes (`CpuLinear.q4_chunks` says which)."""
     n, nb = b.n, num_blocks(b.k)
