@@ -68,8 +68,18 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4, BF16_ROWS = 5 };
 #ifndef DP_WIDE_ROWS_Q4
 #define DP_WIDE_ROWS_Q4 32
 #endif
+#ifndef DP2_ROWS
+#define DP2_ROWS 5 /* from this many rows on, tile_rows_dp2 */
+#endif
+/* bf16 rows stream their weights 16 KiB ahead into L2 (prefetcht1): at 4 KiB into L1, a core with 4-8 rows of
+ * dot products to do per line kept too few lines in flight, and the step took compute time plus memory time
+ * (bf16 layers at 8 rows 14.8 -> 11.0 ms, at 1 row 12.4 -> 10.0 ms in one run; the 4-bit paths, bound by
+ * their own instructions, did not gain). */
+#ifndef PF_LOC
+#define PF_LOC 2
+#endif
 #ifndef ROWS_PREFETCH
-#define ROWS_PREFETCH 4096
+#define ROWS_PREFETCH 16384
 #endif
 #ifndef PREFETCH
 #define PREFETCH 4096 /* bytes ahead: what keeps enough lines in flight for one core to stream at the memory's pace */
@@ -613,7 +623,7 @@ static inline __attribute__((always_inline)) void tile_rows_f32(const float *x, 
     for (; k + VL <= K; k += VL) {
         vf wv[4];
         if (k % 32 == 0)
-            for (int c = 0; c < 4; c++) __builtin_prefetch((const char *)(wc[c] + k) + PREFETCH);
+            for (int c = 0; c < 4; c++) __builtin_prefetch((const char *)(wc[c] + k) + ROWS_PREFETCH, 0, PF_LOC);
         for (int c = 0; c < 4; c++) wv[c] = widen_bf16_vec(wc[c] + k);
         for (int r = 0; r < R; r++) {
             vf xv = ldv(x + r * ldx + k);
@@ -639,8 +649,8 @@ static inline __attribute__((always_inline)) void tile_rows_dp(const uint16_t *x
         const uint16_t *wr = wc[c];
         int64_t k = 0;
         for (; k + 64 <= K; k += 64) {
-            __builtin_prefetch((const char *)(wr + k) + ROWS_PREFETCH);
-            __builtin_prefetch((const char *)(wr + k) + ROWS_PREFETCH + 64);
+            __builtin_prefetch((const char *)(wr + k) + ROWS_PREFETCH, 0, PF_LOC);
+            __builtin_prefetch((const char *)(wr + k) + ROWS_PREFETCH + 64, 0, PF_LOC);
             __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k), w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
             for (int r = 0; r < R; r++) {
                 a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)_mm512_loadu_si512(x + r * ldx + k), w0);
@@ -655,6 +665,62 @@ static inline __attribute__((always_inline)) void tile_rows_dp(const uint16_t *x
         }
         for (int r = 0; r < R; r++) out[r][c] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
     }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* Sixteen horizontal sums in 45 instructions (sixteen _mm512_reduce_add_ps take about 150): four rounds of
+ * shuffle-and-add halve the lanes per sum and double the sums per vector. Sum i lands in lane i % 4 * 4 + i / 4. */
+static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
+    __m512 w[8], u[4], x[2];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        x[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+}
+
+/* Up to 8 rows against two columns, one accumulator per row and column: each 32 values of x are loaded once for
+ * both columns and each 32 of a column once for all the rows, so at 8 rows the loads are 10 per 16 vdpbf16ps, where
+ * tile_rows_dp's column-at-a-time order needs 10 per 8 (and then it is the loads, not the dot products, that
+ * bound a batch step). */
+static inline __attribute__((always_inline)) void tile_rows_dp2(const uint16_t *x, int64_t ldx, const int R, int64_t K,
+                                                                const uint16_t *w0, const uint16_t *w1,
+                                                                float out[8][2]) {
+    __m512 a0[8], a1[8];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __builtin_prefetch((const char *)(w0 + k) + ROWS_PREFETCH, 0, PF_LOC);
+        __builtin_prefetch((const char *)(w1 + k) + ROWS_PREFETCH, 0, PF_LOC);
+        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + k), v1 = (__m512bh)_mm512_loadu_si512(w1 + k);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * ldx + k);
+            a0[r] = _mm512_dpbf16_ps(a0[r], xv, v0);
+            a1[r] = _mm512_dpbf16_ps(a1[r], xv, v1);
+        }
+    }
+    if (k < K) {
+        const __mmask32 live = (__mmask32)((1u << (K - k)) - 1);
+        const __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi16(live, w0 + k);
+        const __m512bh v1 = (__m512bh)_mm512_maskz_loadu_epi16(live, w1 + k);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(live, x + r * ldx + k);
+            a0[r] = _mm512_dpbf16_ps(a0[r], xv, v0);
+            a1[r] = _mm512_dpbf16_ps(a1[r], xv, v1);
+        }
+    }
+    __m512 v[16];
+    for (int i = 0; i < 16; i++) { /* v[i] is sum i's transposed place (sum16), so sum 2r + c lands in out[r][c] */
+        const int s = i % 4 * 4 + i / 4, r = s / 2;
+        v[i] = r < R ? (s % 2 ? a1[r] : a0[r]) : _mm512_setzero_ps();
+    }
+    _mm512_storeu_ps(&out[0][0], sum16(v));
 }
 #endif
 
@@ -681,6 +747,37 @@ static int linear_bf16_rows(const void *xin, int64_t ldx, int x_bf16, int64_t M,
         const int cols = N - n0 < 4 ? (int)(N - n0) : 4;
         const uint16_t *wc[4];
         for (int c = 0; c < 4; c++) wc[c] = w + (n0 + (c < cols ? c : 0)) * K; /* a short tile re-reads column 0 */
+#if defined(__AVX512BF16__)
+        if (dp && M >= DP2_ROWS) {
+            for (int64_t r0 = 0; r0 < M; r0 += 8) {
+                const int R = M - r0 < 8 ? (int)(M - r0) : 8;
+                const uint16_t *xr = (const uint16_t *)xin + r0 * ldx;
+                for (int c = 0; c < cols; c += 2) {
+                    float out[8][2];
+                    switch (R) {
+                    case 1: tile_rows_dp2(xr, ldx, 1, K, wc[c], wc[c + 1], out); break;
+                    case 2: tile_rows_dp2(xr, ldx, 2, K, wc[c], wc[c + 1], out); break;
+                    case 3: tile_rows_dp2(xr, ldx, 3, K, wc[c], wc[c + 1], out); break;
+                    case 4: tile_rows_dp2(xr, ldx, 4, K, wc[c], wc[c + 1], out); break;
+                    case 5: tile_rows_dp2(xr, ldx, 5, K, wc[c], wc[c + 1], out); break;
+                    case 6: tile_rows_dp2(xr, ldx, 6, K, wc[c], wc[c + 1], out); break;
+                    case 7: tile_rows_dp2(xr, ldx, 7, K, wc[c], wc[c + 1], out); break;
+                    default: tile_rows_dp2(xr, ldx, 8, K, wc[c], wc[c + 1], out);
+                    }
+                    for (int r = 0; r < R; r++)
+                        for (int j = 0; j < 2 && c + j < cols; j++) {
+                            float v = out[r][j] + (bias ? bias[n0 + c + j] : 0.0f);
+                            int64_t at = (r0 + r) * ldy + n0 + c + j;
+                            if (y_bf16)
+                                ((uint16_t *)yout)[at] = f32_to_bf16(v);
+                            else
+                                ((float *)yout)[at] = v;
+                        }
+                }
+            }
+            continue;
+        }
+#endif
         for (int64_t r0 = 0; r0 < M; r0 += 4) {
             const int R = M - r0 < 4 ? (int)(M - r0) : 4;
             float out[4][4];
