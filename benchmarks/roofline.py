@@ -203,6 +203,8 @@ def main() -> None:
     )
     ap.add_argument("--log-dir", type=Path, default=Path("."), help="where --served writes the server's logs")
     args = ap.parse_args()
+    if args.served is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     flags = sorted(f for f in cpu_isa.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
     # the limits before and after each format, the best of them kept: neighbours on a shared machine lower both
