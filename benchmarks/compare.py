@@ -1,10 +1,12 @@
-"""One run, one machine: HF `generate`, pdserve colocated, pdserve disaggregated, vLLM (CPU) and vLLM
-disaggregated (NixlConnector), all serving SmolLM2-135M with the same prompts and output length.
+"""One run, one machine: HF `generate`, pdserve colocated, pdserve disaggregated, vLLM (CPU), vLLM
+disaggregated (NixlConnector) and llama.cpp (llama-cpp-python's server, the GGUF as it is), all serving
+SmolLM2-135M with the same prompts and output length.
 
     taskset -c 0-1 python -m pdserve.benchmarks.compare --out benchmarks/results
 
 Run it under `taskset`: every process it starts (servers and the load generator) inherits that core set.
-vLLM runs from its own venv (`--vllm-python`; see README for the install); systems that cannot start are
+vLLM and llama.cpp run from their own venvs (`--vllm-python`, `--llamacpp-python`; see README for the installs);
+llama-cpp-python's server runs one sequence at a time, so it gets concurrency 1 only. Systems that cannot start are
 reported as skipped with the reason. Writes `runs.jsonl` (every bench run), `summary.md` and `compare.png`.
 """
 
@@ -25,9 +27,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pdserve.benchmarks.bench_stats import compute_metrics
-from pdserve.benchmarks.load_gen import GrpcTarget, OpenAIDisaggTarget, OpenAITarget, make_requests, run_load
+from pdserve.benchmarks.load_gen import (
+    GrpcTarget,
+    LlamaCppTarget,
+    OpenAIDisaggTarget,
+    OpenAITarget,
+    make_requests,
+    run_load,
+)
 
-SYSTEMS = ("hf", "pdserve-colocated", "pdserve-disagg", "vllm", "vllm-disagg")
+SYSTEMS = ("hf", "pdserve-colocated", "pdserve-disagg", "vllm", "vllm-disagg", "llama.cpp")
 
 
 def free_port() -> int:
@@ -330,6 +339,37 @@ class Runner:
         finally:
             stop(procs)
 
+    def llamacpp(self) -> None:
+        """The bundled GGUF as llama.cpp computes it (int8-quantized activations against the 4-bit weights), at
+        concurrency 1: llama-cpp-python's server holds one sequence at a time. EOS is masked out by logit_bias,
+        as `ignore_eos` does for the others."""
+        from transformers import AutoTokenizer
+
+        from pdserve.engine.model_store import gguf_source, resolve_model
+
+        gguf = gguf_source(resolve_model(None))
+        if gguf is None:
+            raise RuntimeError("no GGUF behind the default model")
+        port, threads = free_port(), len(os.sched_getaffinity(0))
+        argv = [self.args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "smollm2"]
+        argv += ["--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048"]
+        argv += ["--host", "127.0.0.1", "--port", str(port)]
+        proc = spawn(argv, self.out / "llamacpp.log")
+        try:
+            wait_http(f"http://127.0.0.1:{port}/v1/models", proc, 300)
+            tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
+            if tokenizer.eos_token_id is None:
+                raise RuntimeError("the default model's tokenizer names no EOS token")
+            eos, url = int(tokenizer.eos_token_id), f"http://127.0.0.1:{port}"
+            self.sweep(
+                "llama.cpp",
+                lambda: LlamaCppTarget(url, "smollm2", eos, lambda ids: str(tokenizer.decode(ids))),
+                {"note": "one sequence at a time; prompts as text"},
+                [1],
+            )
+        finally:
+            stop([proc])
+
     def run(self) -> None:
         for system in self.args.systems:
             try:
@@ -339,6 +379,7 @@ class Runner:
                     "pdserve-disagg": lambda: self.pdserve(False),
                     "vllm": self.vllm,
                     "vllm-disagg": self.vllm_disagg,
+                    "llama.cpp": self.llamacpp,
                 }[system]()
             except Exception as e:  # noqa: BLE001 - one system failing must not lose the others' numbers
                 self.skipped[system] = f"{type(e).__name__}: {e}"
@@ -421,6 +462,7 @@ def main() -> None:
         "--quantization", nargs="+", default=["none"], help="pdserve's weight formats, one run each (none, gguf, ...)"
     )
     ap.add_argument("--vllm-python", default="/tmp/vllm-venv/bin/python")
+    ap.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python")
     ap.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for aggregated vLLM")
     ap.add_argument("--vllm-prefill-bind", default="0")
     ap.add_argument("--vllm-decode-bind", default="1")

@@ -180,6 +180,24 @@ class OpenAITarget:
         await self.session.close()
 
 
+class LlamaCppTarget(OpenAITarget):
+    """llama-cpp-python's server: the same streaming `/v1/completions`, but its prompt is text only (the ids are
+    decoded with the model's tokenizer, which the server's GGUF tokenizer re-encodes to about as many tokens), and
+    it has no `ignore_eos`, so EOS is banned by a logit bias (what `ignore_eos` amounts to under greedy decoding)."""
+
+    def __init__(self, base_url: str, model: str, eos_token_id: int, decode: Callable[[list[int]], str]) -> None:
+        super().__init__(base_url, model)
+        self.eos_token_id = eos_token_id
+        self.decode = decode
+
+    def body(self, req: BenchRequest) -> dict:
+        body = super().body(req)
+        del body["ignore_eos"], body["stream_options"]
+        body["prompt"] = self.decode(req.prompt_ids)
+        body["logit_bias"] = {str(self.eos_token_id): -1e4}
+        return body
+
+
 class OpenAIDisaggTarget(OpenAITarget):
     """vLLM's disaggregated serving as its proxy drives it: a 1-token prefill leg on the producer with
     `do_remote_decode`, then the streamed decode leg on the consumer with the returned `kv_transfer_params`."""

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pdserve.benchmarks.bench_stats import RequestResult, compute_metrics, format_table, parse_goodput
-from pdserve.benchmarks.load_gen import BenchRequest, make_requests, parse_sse, run_load
+from pdserve.benchmarks.load_gen import BenchRequest, LlamaCppTarget, make_requests, parse_sse, run_load
 
 
 def req(ttft, latency, output_len, itl=None, prompt_len=10, success=True):
@@ -90,6 +90,18 @@ def test_prompts_are_exact_shared_and_reproducible():
     assert all(100 <= t < 200 for r in a for t in r.prompt_ids)
     spread = make_requests(50, [100], 4, seed=2, range_ratio=0.5)
     assert all(50 <= len(r.prompt_ids) <= 150 for r in spread) and len({len(r.prompt_ids) for r in spread}) > 5
+
+
+async def test_llama_cpp_requests_carry_text_and_ban_eos():
+    """llama-cpp-python's server takes text prompts and has no ignore_eos: the ids go as their decoded text and
+    EOS is banned by a logit bias, so its rows produce the same number of tokens as the others."""
+    target = LlamaCppTarget("http://127.0.0.1:1", "smollm2", 2, lambda ids: " ".join(map(str, ids)))
+    try:
+        body = target.body(BenchRequest([5, 6, 7], 16, temperature=0.0))
+    finally:
+        await target.close()
+    assert body["prompt"] == "5 6 7" and body["max_tokens"] == 16 and body["stream"] is True
+    assert body["logit_bias"] == {"2": -1e4} and "ignore_eos" not in body and "stream_options" not in body
 
 
 def test_sse_events_split_across_reads():
