@@ -593,8 +593,8 @@ static void store_rows(const float *acc, int rows, int cols, const float *bias, 
  * hardware and runs prompt shapes on the same tensor. Each output is a dot product along K; tiles of R rows by 4
  * columns share every load. With AVX512-BF16 and bf16 activations, pairs of products go through vdpbf16ps (each
  * bf16 x bf16 product is exact in fp32, so only the order of the fp32 sums differs); elsewhere the weight is
- * widened to fp32 and multiplied by fp32 FMAs. A thread's tiles are one contiguous run of rows, read with the
- * same prefetch distance as the packed formats. */
+ * widened to fp32 and multiplied by fp32 FMAs; from DP2_ROWS rows on, tiles of up to 8 rows by 2 columns
+ * (tile_rows_dp2). A thread's tiles are one contiguous run of rows, prefetched ROWS_PREFETCH bytes ahead into L2. */
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
