@@ -347,7 +347,8 @@ class Runner:
 
         from pdserve.engine.model_store import gguf_source, resolve_model
 
-        gguf = gguf_source(resolve_model(None))
+        model = resolve_model(None)
+        gguf = gguf_source(model)
         if gguf is None:
             raise RuntimeError("no GGUF behind the default model")
         port, threads = free_port(), len(os.sched_getaffinity(0))
@@ -357,7 +358,7 @@ class Runner:
         proc = spawn(argv, self.out / "llamacpp.log")
         try:
             wait_http(f"http://127.0.0.1:{port}/v1/models", proc, 300)
-            tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
+            tokenizer = AutoTokenizer.from_pretrained(str(model))
             if tokenizer.eos_token_id is None:
                 raise RuntimeError("the default model's tokenizer names no EOS token")
             eos, url = int(tokenizer.eos_token_id), f"http://127.0.0.1:{port}"

@@ -593,8 +593,8 @@ static void store_rows(const float *acc, int rows, int cols, const float *bias, 
  * hardware and runs prompt shapes on the same tensor. Each output is a dot product along K; tiles of R rows by 4
  * columns share every load. With AVX512-BF16 and bf16 activations, pairs of products go through vdpbf16ps (each
  * bf16 x bf16 product is exact in fp32, so only the order of the fp32 sums differs); elsewhere the weight is
- * widened to fp32 and multiplied by fp32 FMAs; from DP2_ROWS rows on, tiles of up to 8 rows by 2 columns
- * (tile_rows_dp2). A thread's tiles are one contiguous run of rows, prefetched ROWS_PREFETCH bytes ahead into L2. */
+ * widened to fp32 and multiplied by fp32 FMAs. With vdpbf16ps, from DP2_ROWS rows on, tiles are up to 8 rows by
+ * 2 columns instead (tile_rows_dp2). A thread's tiles are one contiguous run of rows, prefetched ROWS_PREFETCH bytes ahead into L2. */
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
@@ -667,6 +667,20 @@ static inline __attribute__((always_inline)) void tile_rows_dp(const uint16_t *x
     }
 }
 #endif
+
+/* A bf16_rows tile's sums (row stride ld) plus bias into y, rounded once: R rows by cols columns at (row0, col0). */
+static inline void store_tile(const float *out, int ld, int R, int cols, const float *bias, void *yout, int64_t ldy,
+                              int y_bf16, int64_t row0, int64_t col0) {
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < cols; c++) {
+            const float v = out[r * ld + c] + (bias ? bias[col0 + c] : 0.0f);
+            const int64_t at = (row0 + r) * ldy + col0 + c;
+            if (y_bf16)
+                ((uint16_t *)yout)[at] = f32_to_bf16(v);
+            else
+                ((float *)yout)[at] = v;
+        }
+}
 
 #if defined(__AVX512BF16__)
 /* Sixteen horizontal sums in 45 instructions (sixteen _mm512_reduce_add_ps take about 150): four rounds of
@@ -764,15 +778,7 @@ static int linear_bf16_rows(const void *xin, int64_t ldx, int x_bf16, int64_t M,
                     case 7: tile_rows_dp2(xr, ldx, 7, K, wc[c], wc[c + 1], out); break;
                     default: tile_rows_dp2(xr, ldx, 8, K, wc[c], wc[c + 1], out);
                     }
-                    for (int r = 0; r < R; r++)
-                        for (int j = 0; j < 2 && c + j < cols; j++) {
-                            float v = out[r][j] + (bias ? bias[n0 + c + j] : 0.0f);
-                            int64_t at = (r0 + r) * ldy + n0 + c + j;
-                            if (y_bf16)
-                                ((uint16_t *)yout)[at] = f32_to_bf16(v);
-                            else
-                                ((float *)yout)[at] = v;
-                        }
+                    store_tile(&out[0][0], 2, R, cols - c < 2 ? cols - c : 2, bias, yout, ldy, y_bf16, r0, n0 + c);
                 }
             }
             continue;
@@ -801,15 +807,7 @@ static int linear_bf16_rows(const void *xin, int64_t ldx, int x_bf16, int64_t M,
                 default: tile_rows_f32(xr, ldx, 4, K, wc, out);
                 }
             }
-            for (int r = 0; r < R; r++)
-                for (int c = 0; c < cols; c++) {
-                    float v = out[r][c] + (bias ? bias[n0 + c] : 0.0f);
-                    int64_t at = (r0 + r) * ldy + n0 + c;
-                    if (y_bf16)
-                        ((uint16_t *)yout)[at] = f32_to_bf16(v);
-                    else
-                        ((float *)yout)[at] = v;
-                }
+            store_tile(&out[0][0], 4, R, cols, bias, yout, ldy, y_bf16, r0, n0);
         }
     }
     free(scratch);
