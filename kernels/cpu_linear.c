@@ -834,7 +834,8 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
     if (bb < 0 || M < 0 || K <= 0 || N <= 0 || ldx < K || ldy < N) return -1;
     if (M == 0) return 0;
     int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G;
-    int minimum = !TILE8 && (fmt == Q4_0 || fmt == Q4_1); /* the tiles that need each block's sum of x */
+    /* the tiles that need each block's sum of x: all but AVX2's, which need it at one row (row8_raw) */
+    int minimum = (fmt == Q4_0 || fmt == Q4_1) && (!TILE8 || M == 1);
 #if defined(__AVX512BF16__)
     const int dp4 = x_bf16 && minimum; /* 4-bit blocks and bf16 rows: vdpbf16ps, no fp32 panels */
     const int dp8 = x_bf16 && fmt == Q8_0; /* Q8_0 and bf16 rows: vdpbf16ps, which reads x as it is */
@@ -888,7 +889,7 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
                 for (int64_t i = 0; i < n_g; i++) {
                     int64_t g = g0 + i;
 #if TILE8
-                    group8(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, acc0);
+                    group8(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, xsr, acc0);
                     store_rows(acc0, rows, N - g * G < G ? (int)(N - g * G) : G, bias, yout, ldy, y_bf16, r0, g * G);
                     continue;
 #endif

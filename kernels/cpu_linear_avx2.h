@@ -100,6 +100,56 @@ static inline __attribute__((always_inline)) void tile8(const int fmt, const uin
             _mm256_storeu_ps(acc + r * G + (h0 + c) * 8, S == 2 ? _mm256_add_ps(a[r][c][0], a[r][c][1]) : a[r][c][0]);
 }
 
+/* Rows k and k + 1 (k even) of a 4-bit or Q8_0 block, columns h*8 .. h*8+7, as the quants are (not scaled). */
+static inline __attribute__((always_inline)) void raw8(const int fmt, const uint8_t *blk, int k, int h, __m256 *w0,
+                                                       __m256 *w1) {
+    if (fmt == Q8_0) {
+        const uint8_t *p = blk + 32 + k * G + h * 8;
+        *w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+        *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + G))));
+        return;
+    }
+    const uint8_t *p = blk + (fmt == Q4_1 ? 64 : 32) + (k / 2) * G + h * 8;
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    *w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+
+/* One row against a group of 4-bit or Q8_0 blocks: x times the quants as they are, each block's two sums then
+ * scaled once, acc += d * sum(x q) + m * sum(x) (xs: the row's block sums of x; 4-bit only). At one row the
+ * dequantizing FMA of tile8 cost as much as the product itself. acc[0 .. 15]. */
+static inline __attribute__((always_inline)) void row8_raw(const int fmt, const uint8_t *blk, int64_t bb, int64_t nb,
+                                                           const float *x, const float *xs, int64_t K, float *acc) {
+    __m256 t[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    float tail[KB];
+    for (int64_t b = 0; b < nb; b++, blk += bb) {
+        const int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
+        const float *xb = x + b * KB;
+        if (kn < KB) { /* K ends inside this block: the missing x are 0 (the packing's padding is finite) */
+            memset(tail, 0, sizeof tail);
+            memcpy(tail, xb, sizeof(float) * kn);
+            xb = tail;
+        }
+        for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
+        __m256 a[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}};
+#pragma GCC unroll 4
+        for (int k = 0; k < KB; k += 2) {
+            __m256 w0[2], w1[2];
+            for (int c = 0; c < 2; c++) raw8(fmt, blk, k, c, &w0[c], &w1[c]);
+            const __m256 x0 = _mm256_broadcast_ss(xb + k), x1 = _mm256_broadcast_ss(xb + k + 1);
+            for (int c = 0; c < 2; c++)
+                a[c][0] = _mm256_fmadd_ps(x0, w0[c], a[c][0]), a[c][1] = _mm256_fmadd_ps(x1, w1[c], a[c][1]);
+        }
+        for (int c = 0; c < 2; c++) {
+            __m256 d, m = _mm256_setzero_ps();
+            scales8(fmt, blk, c, &d, &m);
+            t[c] = _mm256_fmadd_ps(d, _mm256_add_ps(a[c][0], a[c][1]), t[c]);
+            if (fmt != Q8_0) t[c] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(xs + b), t[c]);
+        }
+    }
+    _mm256_storeu_ps(acc, t[0]), _mm256_storeu_ps(acc + 8, t[1]);
+}
+
 /* acc[r][0 .. 15] += sum_k x[r][k] w[k][0 .. 15] over one block already widened to fp32 (w [32][16]), R <= 6
  * rows: 2R accumulators, and per k two loads of w and R broadcasts for 2R FMAs (an 8 x 8 tile needed nine loads
  * for eight FMAs: the load ports, not the FMA pipes, set its pace). */
@@ -187,8 +237,13 @@ static inline __attribute__((always_inline)) void group8_fmt(const int fmt, cons
 }
 
 static void group8(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const float *x, int64_t ldx, int rows,
-                   int64_t K, float *acc) {
+                   int64_t K, const float *xs, float *acc) {
     const int q4 = fmt == Q4_0 || fmt == Q4_1;
+    if (rows == 1 && (q4 ? xs != NULL : fmt == Q8_0)) switch (fmt) {
+        case Q8_0: row8_raw(Q8_0, blk, bb, nb, x, xs, K, acc); return;
+        case Q4_0: row8_raw(Q4_0, blk, bb, nb, x, xs, K, acc); return;
+        default: row8_raw(Q4_1, blk, bb, nb, x, xs, K, acc); return;
+        }
     if (fmt != F32 && (rows >= TILE8_BLOCK_ROWS || (q4 && rows >= 8))) switch (fmt) {
         case BF16: group8_blocks_fmt(BF16, blk, bb, nb, x, ldx, rows, K, acc); return;
         case Q8_0: group8_blocks_fmt(Q8_0, blk, bb, nb, x, ldx, rows, K, acc); return;
