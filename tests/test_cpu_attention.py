@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import platform
+import re
+import subprocess
+
 import pytest
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, CpuAttention, TorchAttention, select_backend
-from pdserve.kernels import cpu_paged_attention
+from pdserve.kernels import c_build, cpu_isa, cpu_paged_attention
 from pdserve.kernels.paged_attention import decode_attention, decode_mask
 
 
@@ -157,3 +161,17 @@ def test_engine_greedy_with_the_kernel_equals_the_torch_backend(tiny_model_dir, 
         assert {kernel[k], reference[k]} == set(top.indices.tolist()), (k, kernel, reference)
         margin = float(top.values[0] - top.values[1])
         assert margin <= 0.02 * float(logits.abs().max()), f"tokens part at step {k} on a margin of {margin}"
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 prefetch instructions")
+@pytest.mark.parametrize("march", sorted({*cpu_isa.MARCH.values(), "native"}))
+def test_every_build_keeps_its_prefetches(tmp_path, march):
+    """The kernel waits on memory without its prefetches, and gcc once deleted them all (a helper whose only effect
+    was prefetching counted as pure, so its calls were dead code): the assembly of every build must hold them."""
+    compiler, _ = c_build._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    asm = tmp_path / "attention.s"
+    argv = [a for a in c_build.flags(march) if a not in ("-shared", "-fPIC")]
+    subprocess.run([compiler, *argv, "-S", str(cpu_paged_attention.SOURCE), "-o", str(asm)], check=True, timeout=120)
+    assert len(re.findall(r"\bprefetch", asm.read_text())) >= 4
