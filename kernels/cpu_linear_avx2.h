@@ -28,6 +28,22 @@ static inline __attribute__((always_inline)) void scales8(const int fmt, const u
         *m = _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f));
 }
 
+/* Rows k and k + 1 (k even) of a 4-bit or Q8_0 block, columns h*8 .. h*8+7, as the quants are (not scaled); a
+ * 4-bit block's byte (k/2, c) holds k low, k + 1 high. */
+static inline __attribute__((always_inline)) void raw8(const int fmt, const uint8_t *blk, int k, int h, __m256 *w0,
+                                                       __m256 *w1) {
+    if (fmt == Q8_0) {
+        const uint8_t *p = blk + 32 + k * G + h * 8;
+        *w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+        *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + G))));
+        return;
+    }
+    const uint8_t *p = blk + (fmt == Q4_1 ? 64 : 32) + (k / 2) * G + h * 8;
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    *w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+}
+
 /* Rows k and k + 1 (k even) of a block, columns h*8 .. h*8+7, dequantized. */
 static inline __attribute__((always_inline)) void widen8(const int fmt, const uint8_t *blk, int k, int h, __m256 d,
                                                          __m256 m, __m256 *w0, __m256 *w1) {
@@ -44,18 +60,13 @@ static inline __attribute__((always_inline)) void widen8(const int fmt, const ui
             _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + G))), 16));
         return;
     }
-    case Q8_0: {
-        const uint8_t *p = blk + 32 + k * G + h * 8;
-        *w0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))));
-        *w1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + G)))));
+    case Q8_0:
+        raw8(fmt, blk, k, h, w0, w1);
+        *w0 = _mm256_mul_ps(d, *w0), *w1 = _mm256_mul_ps(d, *w1);
         return;
-    }
-    default: { /* q4: byte (k/2, c) holds k low, k + 1 high */
-        const uint8_t *p = blk + (fmt == Q4_1 ? 64 : 32) + (k / 2) * G + h * 8;
-        __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-        *w0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), m);
-        *w1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), m);
-    }
+    default:
+        raw8(fmt, blk, k, h, w0, w1);
+        *w0 = _mm256_fmadd_ps(d, *w0, m), *w1 = _mm256_fmadd_ps(d, *w1, m);
     }
 }
 
@@ -98,21 +109,6 @@ static inline __attribute__((always_inline)) void tile8(const int fmt, const uin
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
             _mm256_storeu_ps(acc + r * G + (h0 + c) * 8, S == 2 ? _mm256_add_ps(a[r][c][0], a[r][c][1]) : a[r][c][0]);
-}
-
-/* Rows k and k + 1 (k even) of a 4-bit or Q8_0 block, columns h*8 .. h*8+7, as the quants are (not scaled). */
-static inline __attribute__((always_inline)) void raw8(const int fmt, const uint8_t *blk, int k, int h, __m256 *w0,
-                                                       __m256 *w1) {
-    if (fmt == Q8_0) {
-        const uint8_t *p = blk + 32 + k * G + h * 8;
-        *w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-        *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + G))));
-        return;
-    }
-    const uint8_t *p = blk + (fmt == Q4_1 ? 64 : 32) + (k / 2) * G + h * 8;
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    *w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-    *w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 }
 
 /* One row against a group of 4-bit or Q8_0 blocks: x times the quants as they are, each block's two sums then

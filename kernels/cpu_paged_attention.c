@@ -197,9 +197,8 @@ static void item_offsets(const int64_t *table, int len, int g, int KVH, int D, i
 #define CHUNKS (MAX_HEAD_DIM / VLANES)
 #define ATTEND_ITEM(SUFFIX, T, STORE)                                                                                  \
     static inline __attribute__((always_inline)) void attend_body_##SUFFIX(                                            \
-        const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *table, int len, T *oh, int g, int KVH,       \
-        int D, int BS, float scale, int group, int padded, float *scores, int64_t *at, const int nc) {                 \
-        item_offsets(table, len, g, KVH, D, BS, at);                                                                   \
+        const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *at, int len, T *oh, int g, int D,            \
+        float scale, int group, int padded, float *scores, const int nc) {                                             \
         vec qf[MAX_GROUP][CHUNKS], acc[MAX_GROUP][CHUNKS], part[MAX_GROUP][VLANES], row[CHUNKS];                       \
         float res[MAX_HEAD_DIM];                                                                                       \
         const T *rows[VLANES];                                                                                         \
@@ -271,19 +270,17 @@ static void item_offsets(const int64_t *table, int len, int g, int KVH, int D, i
     }                                                                                                                  \
     /* 64- and 128-value heads (4 or 8 vectors) as constants: at a count known only at run time, gcc kept the row's    \
      * vectors in memory (B=32 at context 192: 205 -> 150 us) */                                                       \
-    static void attend_item_##SUFFIX(const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *table,          \
-                                     int len, T *oh, int g, int KVH, int D, int BS, float scale, int group,            \
-                                     int padded, float *scores, int64_t *at) {                                         \
+    static void attend_item_##SUFFIX(const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *at, int len,    \
+                                     T *oh, int g, int D, float scale, int group, int padded, float *scores) {         \
         switch (D / VLANES) {                                                                                          \
         case 4:                                                                                                        \
-            attend_body_##SUFFIX(qh, q_sh, k, v, table, len, oh, g, KVH, D, BS, scale, group, padded, scores, at, 4);  \
+            attend_body_##SUFFIX(qh, q_sh, k, v, at, len, oh, g, D, scale, group, padded, scores, 4);                  \
             break;                                                                                                     \
         case 8:                                                                                                        \
-            attend_body_##SUFFIX(qh, q_sh, k, v, table, len, oh, g, KVH, D, BS, scale, group, padded, scores, at, 8);  \
+            attend_body_##SUFFIX(qh, q_sh, k, v, at, len, oh, g, D, scale, group, padded, scores, 8);                  \
             break;                                                                                                     \
         default:                                                                                                       \
-            attend_body_##SUFFIX(qh, q_sh, k, v, table, len, oh, g, KVH, D, BS, scale, group, padded, scores, at,      \
-                                 D / VLANES);                                                                          \
+            attend_body_##SUFFIX(qh, q_sh, k, v, at, len, oh, g, D, scale, group, padded, scores, D / VLANES);         \
         }                                                                                                              \
     }
 
@@ -300,10 +297,8 @@ static inline float dot(const float *a, const float *b, int dim) {
 }
 
 #define ATTEND_ITEM(SUFFIX, T, STORE)                                                                                  \
-    static void attend_item_##SUFFIX(const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *table,          \
-                                     int len, T *oh, int g, int KVH, int D, int BS, float scale, int group,            \
-                                     int padded, float *scores, int64_t *at) {                                         \
-        item_offsets(table, len, g, KVH, D, BS, at);                                                                   \
+    static void attend_item_##SUFFIX(const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *at, int len,    \
+                                     T *oh, int g, int D, float scale, int group, int padded, float *scores) {         \
         float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];                            \
         for (int j = 0; j < group; j++) {                                                                              \
             const T *qr = qh + (int64_t)(g * group + j) * q_sh;                                                        \
@@ -334,22 +329,17 @@ static inline float dot(const float *a, const float *b, int dim) {
 
 #endif
 
-/* Every K and V row of one (sequence, KV head) item requested into L2 before the item is worked on: a thread
- * prefetches its first item, then each next one while it computes the current one. A step's cache is read once and
- * comes from memory, where rows asked for one at a time arrived at a fraction of the memory's pace (batch 8,
- * context 192: 52 -> 44 us a layer, on top of the prefetch_row fix: 90 -> 52). */
-#define PREFETCH_ITEM(SUFFIX, T)                                                                                       \
-    static inline __attribute__((always_inline)) void prefetch_item_##SUFFIX(                                          \
-        const T *k, const T *v, const int64_t *table, int len, int g, int KVH, int D, int BS) {                        \
-        for (int t = 0, b = 0; t < len; b++)                                                                           \
-            for (int s = 0; s < BS && t < len; s++, t++) {                                                             \
-                const int64_t at = ((table[b] * BS + s) * KVH + g) * D;                                                \
-                prefetch_row(k + at, D * (int)sizeof(T), 0);                                                           \
-                prefetch_row(v + at, D * (int)sizeof(T), 0);                                                           \
-            }                                                                                                          \
+/* Every K and V row of one (sequence, KV head) item (its rows' offsets `at`, from item_offsets) requested into L2
+ * before the item is worked on: a thread prefetches its first item, then each next one while it computes the current
+ * one. A step's cache is read once and comes from memory, where rows asked for one at a time arrived at a fraction
+ * of the memory's pace (batch 8, context 192: 52 -> 44 us a layer, on top of the prefetch_row fix: 90 -> 52). */
+static inline __attribute__((always_inline)) void prefetch_item(const void *k, const void *v, const int64_t *at,
+                                                                int len, int elem_bytes, int D) {
+    for (int t = 0; t < len; t++) {
+        prefetch_row((const char *)k + at[t] * elem_bytes, D * elem_bytes, 0);
+        prefetch_row((const char *)v + at[t] * elem_bytes, D * elem_bytes, 0);
     }
-PREFETCH_ITEM(f32, float)
-PREFETCH_ITEM(bf16, uint16_t)
+}
 
 ATTEND_ITEM(f32, float, store_f32)
 ATTEND_ITEM(bf16, uint16_t, store_bf16)
@@ -366,22 +356,26 @@ ATTEND_ITEM(bf16, uint16_t, store_bf16)
         int failed = 0;                                                                                                \
         _Pragma("omp parallel num_threads(threads) reduction(|:failed)")                                               \
         {                                                                                                              \
-            float *scores = aligned_alloc(64, (sizeof(float) * group + sizeof(int64_t)) * (size_t)padded);             \
-            int64_t *at = (int64_t *)(scores + (size_t)group * padded);                                                \
+            float *scores = aligned_alloc(64, (sizeof(float) * group + 2 * sizeof(int64_t)) * (size_t)padded);         \
+            int64_t *at = (int64_t *)(scores + (size_t)group * padded), *at_next = at + padded;                        \
             failed |= scores == NULL;                                                                                  \
             const int nt = omp_get_num_threads(), me = omp_get_thread_num(), items = B * KVH;                          \
             const int lo = (int)((int64_t)items * me / nt), hi = (int)((int64_t)items * (me + 1) / nt);                \
-            if (lo < hi && scores != NULL)                                                                             \
-                prefetch_item_##SUFFIX(k, v, tables + lo / KVH * table_stride, lens[lo / KVH], lo % KVH, KVH, D, BS);  \
-            for (int item = lo; item < hi; item++) {                                                                   \
-                if (scores == NULL) continue;                                                                          \
+            for (int item = lo; item < hi && scores != NULL; item++) {                                                 \
                 const int b = item / KVH, next = item + 1;                                                             \
-                if (next < hi)                                                                                         \
-                    prefetch_item_##SUFFIX(k, v, tables + next / KVH * table_stride, lens[next / KVH], next % KVH,     \
-                                           KVH, D, BS);                                                                \
-                attend_item_##SUFFIX(q + b * q_sb, q_sh, k, v, tables + b * table_stride, lens[b],                     \
-                                     out + (int64_t)b * H * D, item % KVH, KVH, D, BS, scale, group, padded, scores,   \
-                                     at);                                                                              \
+                if (item == lo) {                                                                                      \
+                    item_offsets(tables + b * table_stride, lens[b], item % KVH, KVH, D, BS, at);                      \
+                    prefetch_item(k, v, at, lens[b], (int)sizeof(T), D);                                               \
+                }                                                                                                      \
+                if (next < hi) {                                                                                       \
+                    const int nb = next / KVH;                                                                         \
+                    item_offsets(tables + nb * table_stride, lens[nb], next % KVH, KVH, D, BS, at_next);               \
+                    prefetch_item(k, v, at_next, lens[nb], (int)sizeof(T), D);                                         \
+                }                                                                                                      \
+                attend_item_##SUFFIX(q + b * q_sb, q_sh, k, v, at, lens[b], out + (int64_t)b * H * D, item % KVH, D,   \
+                                     scale, group, padded, scores);                                                    \
+                int64_t *done = at;                                                                                    \
+                at = at_next, at_next = done;                                                                          \
             }                                                                                                          \
             free(scores);                                                                                              \
         }                                                                                                              \
