@@ -843,11 +843,13 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
     const int dp4 = 0, dp8 = 0;
 #endif
     const int widen = x_bf16 && !dp8; /* the fp32 paths (and the 4-bit block sums) read x widened */
+    const int pairs = TILE8 && minimum; /* AVX2's one 4-bit row reads x as pair_x writes it */
     float *scratch = NULL, *xs = NULL;
+    __attribute__((unused)) float *xp = NULL;
     const float *x = xin;
     __attribute__((unused)) const int64_t ldx_in = ldx;
     if (widen || minimum) {
-        scratch = malloc(sizeof(float) * ((widen ? M * K : 0) + (minimum ? M * nb : 0)));
+        scratch = malloc(sizeof(float) * ((widen ? M * K : 0) + (minimum ? M * nb : 0) + (pairs ? nb * KB : 0)));
         if (!scratch) return -2;
     }
     if (widen) {
@@ -859,6 +861,12 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
         xs = scratch + (widen ? M * K : 0);
         block_sums(x, ldx, M, K, xs, nthreads);
     }
+#if TILE8
+    if (pairs) {
+        xp = xs + M * nb;
+        pair_x(x, K, nb, xp);
+    }
+#endif
     int64_t tasks = (groups + PAIR - 1) / PAIR;
     int use_panels = !TILE8 && M >= PANEL_ROWS && !dp4 && !dp8, failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
@@ -889,7 +897,7 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
                 for (int64_t i = 0; i < n_g; i++) {
                     int64_t g = g0 + i;
 #if TILE8
-                    group8(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, xsr, acc0);
+                    group8(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, xsr, xp, acc0);
                     store_rows(acc0, rows, N - g * G < G ? (int)(N - g * G) : G, bias, yout, ldy, y_bf16, r0, g * G);
                     continue;
 #endif
