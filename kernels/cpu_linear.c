@@ -842,8 +842,8 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
     if (bb < 0 || M < 0 || K <= 0 || N <= 0 || ldx < K || ldy < N) return -1;
     if (M == 0) return 0;
     int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G;
-    /* the tiles that need each block's sum of x: all but AVX2's, which need it at one row (row8_raw) */
-    int minimum = (fmt == Q4_0 || fmt == Q4_1) && (!TILE8 || M == 1);
+    /* the tiles that need each block's sum of x: all but AVX2's from 2 to 7 rows (tile8 dequantizes) */
+    int minimum = (fmt == Q4_0 || fmt == Q4_1) && (!TILE8 || M == 1 || M >= 8);
 #if defined(__AVX512BF16__)
     const int dp4 = x_bf16 && minimum; /* 4-bit blocks and bf16 rows: vdpbf16ps, no fp32 panels */
     const int dp8 = x_bf16 && fmt == Q8_0; /* Q8_0 and bf16 rows: vdpbf16ps, which reads x as it is */
@@ -851,13 +851,13 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
     const int dp4 = 0, dp8 = 0;
 #endif
     const int widen = x_bf16 && !dp8; /* the fp32 paths (and the 4-bit block sums) read x widened */
-    const int pairs = TILE8 && minimum; /* AVX2's one 4-bit row reads x as pair_x writes it */
+    const int pairs = TILE8 && minimum; /* AVX2's 4-bit rows read x as pair_x writes it, nb * KB a row */
     float *scratch = NULL, *xs = NULL;
     __attribute__((unused)) float *xp = NULL;
     const float *x = xin;
     __attribute__((unused)) const int64_t ldx_in = ldx;
     if (widen || minimum) {
-        scratch = malloc(sizeof(float) * ((widen ? M * K : 0) + (minimum ? M * nb : 0) + (pairs ? nb * KB : 0)));
+        scratch = malloc(sizeof(float) * ((widen ? M * K : 0) + (minimum ? M * nb : 0) + (pairs ? M * nb * KB : 0)));
         if (!scratch) return -2;
     }
     if (widen) {
@@ -872,7 +872,7 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
 #if TILE8
     if (pairs) {
         xp = xs + M * nb;
-        pair_x(x, K, nb, xp);
+        for (int64_t r = 0; r < M; r++) pair_x(x + r * ldx, K, nb, xp + r * nb * KB);
     }
 #endif
     int64_t tasks = (groups + PAIR - 1) / PAIR;
@@ -905,7 +905,7 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
                 for (int64_t i = 0; i < n_g; i++) {
                     int64_t g = g0 + i;
 #if TILE8
-                    group8(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, xsr, xp, acc0);
+                    group8(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, xsr, xp ? xp + r0 * nb * KB : NULL, acc0);
                     store_rows(acc0, rows, N - g * G < G ? (int)(N - g * G) : G, bias, yout, ldy, y_bf16, r0, g * G);
                     continue;
 #endif
