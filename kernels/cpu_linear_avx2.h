@@ -199,7 +199,8 @@ static inline __attribute__((always_inline)) void tile16_block(const float *w, c
         if (raw)
             for (int h = 0; h < 2; h++) {
                 const __m256 before = _mm256_loadu_ps(acc + r * G + h * 8);
-                a[r][h] = _mm256_fmadd_ps(d[h], a[r][h], _mm256_fmadd_ps(m[h], _mm256_broadcast_ss(xs + r * nb), before));
+                const __m256 offset = _mm256_fmadd_ps(m[h], _mm256_broadcast_ss(xs + r * nb), before);
+                a[r][h] = _mm256_fmadd_ps(d[h], a[r][h], offset);
             }
         _mm256_storeu_ps(acc + r * G, a[r][0]), _mm256_storeu_ps(acc + r * G + 8, a[r][1]);
     }
