@@ -10,6 +10,11 @@ the step must read (weights once, plus the KV cache it attends over) at the meas
 the measured fp32 GEMM rate, whichever is larger (each limit the best of the measurements taken before and after
 every format). A ratio of 1.0 is the machine's limit; 2.0 takes twice that.
 
+On a shared machine both limits move from minute to minute with the neighbours (one 2-core VM read 41 to 78 GB/s
+within an hour), and the best of the run is a limit the step may never have had. So each row is also divided by
+the limits measured just before and just after it (the better of the two): the `beside` ratio, what the code
+reached against what the machine gave it at the time. Both are printed; the first is the stricter.
+
 `--served` then starts `pdserve up --colocated` with each format it names (all, naming none) and streams 128-token
 random prompts with 128 greedy tokens out through the gateway's gRPC API at concurrency 1, 8 and 32: ITL p50 at c=1
 and c=8 against the decode step's limit at that batch, and at c=32 the time per output token (1 / throughput)
@@ -55,16 +60,26 @@ class Row:
     ms: float
     bytes: float  # what it must read
     flops: float  # what it must compute
+    beside: tuple[float, float] = (0.0, 0.0)  # (bytes/s, flop/s) measured around this row: probe()
     limit_ms: float = 0.0  # bind() sets these two
     bound: str = ""  # "bytes" or "flops": which limit binds
 
     def bind(self, bw: float, gemm: float) -> None:
-        by_bytes, by_flops = self.bytes / bw * 1e3, self.flops / gemm * 1e3
-        self.limit_ms, self.bound = max(by_bytes, by_flops), "bytes" if by_bytes >= by_flops else "flops"
+        self.limit_ms, self.bound = _limit(self.bytes, self.flops, bw, gemm)
 
     @property
     def ratio(self) -> float:
         return self.ms / self.limit_ms
+
+    @property
+    def ratio_beside(self) -> float:
+        """Against the limits measured around this row (0 when none were)."""
+        return self.ms / _limit(self.bytes, self.flops, *self.beside)[0] if all(self.beside) else 0.0
+
+
+def _limit(nbytes: float, flops: float, bw: float, gemm: float) -> tuple[float, str]:
+    by_bytes, by_flops = nbytes / bw * 1e3, flops / gemm * 1e3
+    return max(by_bytes, by_flops), "bytes" if by_bytes >= by_flops else "flops"
 
 
 @dataclass(frozen=True)
@@ -100,10 +115,28 @@ def bandwidth() -> float:
     return big.numel() * 4 / _best(big.sum, 5)
 
 
-def gemm_rate() -> float:
-    """fp32 flops per second of torch's GEMM at 2048^3 (best of 5)."""
+def gemm_rate(reps: int = 5) -> float:
+    """fp32 flops per second of torch's GEMM at 2048^3 (best of `reps`)."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    return 2 * 2048**3 / _best(lambda: a @ b, 5)
+    return 2 * 2048**3 / _best(lambda: a @ b, reps)
+
+
+class Beside:
+    """The limits just before and just after a measurement, the better of each: `with Beside() as near: ...`,
+    then `near.limits` (bytes/s, flop/s)."""
+
+    def __enter__(self) -> Beside:
+        self.limits = self._probe()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = self._probe()
+        self.limits = (max(self.limits[0], after[0]), max(self.limits[1], after[1]))
+
+    @staticmethod
+    def _probe() -> tuple[float, float]:
+        big = torch.ones(256 << 20)
+        return big.numel() * 4 / _best(big.sum, 2), gemm_rate(2)
 
 
 def _engine(fmt: str, batch: int):
@@ -144,15 +177,15 @@ def measure(fmt: str, steps: int) -> tuple[list[Row], Sizes]:
         while any(s.num_output_tokens == 0 for s in seqs):
             core.step()
         times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            core.step()
-            times.append(time.perf_counter() - t)
+        with Beside() as near:
+            for _ in range(steps):
+                t = time.perf_counter()
+                core.step()
+                times.append(time.perf_counter() - t)
         for s in seqs:
             core.abort(s)
-        rows.append(
-            Row(fmt, f"decode b={batch}", statistics.median(times) * 1e3, *sizes.decode(batch, CONTEXT + steps))
-        )
+        ms = statistics.median(times) * 1e3
+        rows.append(Row(fmt, f"decode b={batch}", ms, *sizes.decode(batch, CONTEXT + steps), near.limits))
     for n in (128, 1024):
 
         def prefill(n: int = n) -> None:
@@ -161,8 +194,9 @@ def measure(fmt: str, steps: int) -> tuple[list[Row], Sizes]:
             while not seq.is_finished:
                 core.step()
 
-        ms = _best(prefill, 3) * 1e3
-        rows.append(Row(fmt, f"prefill {n}", ms, 0, sizes.prefill_flops(n)))
+        with Beside() as near:
+            ms = _best(prefill, 3) * 1e3
+        rows.append(Row(fmt, f"prefill {n}", ms, 0, sizes.prefill_flops(n), near.limits))
     return rows, sizes
 
 
@@ -178,17 +212,18 @@ def served(fmt: str, sizes: Sizes, log: Path) -> list[Row]:
         for concurrency, n in SERVED:
             reqs = make_requests(n, [PROMPT], OUTPUT, concurrency, None, vocab=(1000, 40000))
             warm = make_requests(2, [PROMPT], 8, 1000 + concurrency, None, vocab=(1000, 40000))
-            results, duration, peak = asyncio.run(load_target(lambda: GrpcTarget(address), reqs, concurrency, warm))
+            with Beside() as near:
+                results, duration, peak = asyncio.run(load_target(lambda: GrpcTarget(address), reqs, concurrency, warm))
             m = compute_metrics(results, duration, [50], None, peak)
             if m.failed:
                 raise RuntimeError(f"{m.failed} of {n} requests failed serving {fmt} (see {log})")
             read, flops = sizes.decode(concurrency, CONTEXT)
             if concurrency != SERVED[-1][0]:
-                rows.append(Row(fmt, f"served c={concurrency} ITL p50", m.itl_ms.median, read, flops))
+                rows.append(Row(fmt, f"served c={concurrency} ITL p50", m.itl_ms.median, read, flops, near.limits))
             else:  # the top concurrency: a token's share of a full decode step and of its prompt's prefill
                 flops = flops / concurrency + sizes.prefill_flops(PROMPT) / OUTPUT
                 ms = 1e3 / m.output_throughput
-                rows.append(Row(fmt, f"served c={concurrency} ms/token", ms, read / concurrency, flops))
+                rows.append(Row(fmt, f"served c={concurrency} ms/token", ms, read / concurrency, flops, near.limits))
     return rows
 
 
@@ -219,11 +254,14 @@ def main() -> None:
         bw, gemm = max(bw, bandwidth()), max(gemm, gemm_rate())
     print(f"CPU level {cpu_isa.level()} (flags: {' '.join(flags)}), {args.threads} threads")
     print(f"limits (best in the run): streaming read {bw / 1e9:.1f} GB/s, fp32 GEMM {gemm / 1e9:.0f} GFLOP/s\n")
-    print("| format | step | ms | limit ms | bound by | ratio |")
-    print("| --- | --- | ---: | ---: | --- | ---: |")
+    print("| format | step | ms | limit ms | bound by | ratio | beside: GB/s | ratio |")
+    print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
     for row in rows:
         row.bind(bw, gemm)
-        print(f"| {row.format} | {row.what} | {row.ms:.1f} | {row.limit_ms:.1f} | {row.bound} | {row.ratio:.2f} |")
+        print(
+            f"| {row.format} | {row.what} | {row.ms:.1f} | {row.limit_ms:.1f} | {row.bound} | {row.ratio:.2f} "
+            f"| {row.beside[0] / 1e9:.1f} | {row.ratio_beside:.2f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -232,7 +270,7 @@ def main() -> None:
                     "flags": flags,
                     "bandwidth_gbs": bw / 1e9,
                     "gemm_gflops": gemm / 1e9,
-                    "rows": [{**asdict(r), "ratio": r.ratio} for r in rows],
+                    "rows": [{**asdict(r), "ratio": r.ratio, "ratio_beside": r.ratio_beside} for r in rows],
                 },
                 f,
                 indent=1,

@@ -10,6 +10,7 @@ import pytest
 
 from pdserve.benchmarks.bench_stats import RequestResult, compute_metrics, format_table, parse_goodput
 from pdserve.benchmarks.load_gen import BenchRequest, LlamaCppTarget, make_requests, parse_sse, run_load
+from pdserve.benchmarks.roofline import Row
 
 
 def req(ttft, latency, output_len, itl=None, prompt_len=10, success=True):
@@ -35,6 +36,19 @@ def test_throughputs_and_latency_definitions():
     assert m.e2el_ms.mean == pytest.approx(1550.0)
     assert m.itl_ms.mean == pytest.approx(100.0)  # every gap of every request, pooled
     assert m.request_goodput is None
+
+
+def test_roofline_rows_divide_by_the_binding_limit_of_the_run_and_of_their_own_time():
+    """A step is bound by its bytes or its flops, whichever takes longer; `beside` uses the limits measured around
+    the row itself (a slower minute: a lower limit, a kinder ratio), and is 0 when none were measured."""
+    row = Row("gguf", "decode b=1", ms=4.0, bytes=100e6, flops=1e9, beside=(25e9, 100e9))
+    row.bind(50e9, 100e9)  # 2 ms of reading against 10 ms of arithmetic
+    assert (row.limit_ms, row.bound, row.ratio) == (pytest.approx(10.0), "flops", pytest.approx(0.4))
+    assert row.ratio_beside == pytest.approx(0.4)  # flops still bind: 4 ms of reading at 25 GB/s
+    fast = Row("gguf", "decode b=1", ms=4.0, bytes=100e6, flops=1e6, beside=(25e9, 100e9))
+    fast.bind(50e9, 100e9)
+    assert (fast.bound, fast.ratio, fast.ratio_beside) == ("bytes", pytest.approx(2.0), pytest.approx(1.0))
+    assert Row("bf16", "prefill 128", 1.0, 0, 1e9).ratio_beside == 0.0
 
 
 def test_single_token_requests_have_no_tpot():
