@@ -9,6 +9,8 @@
  * each widening. From 16 rows on (8 for 4-bit blocks) each block is widened once into L1 and tiles of 4-6 rows by
  * all 16 columns read it there instead (q4_1 at 128 rows over the built-in model's qkv, gate/up and down, 2
  * threads, AVX2 cap on an EPYC: 7.1-7.6 -> 5.1-5.8 ms, as fast as MKL's fp32 GEMM on fp32 weights).
+ * 4-bit blocks at one row (row8_raw) and from 8 rows on are not dequantized a weight at a time: x meets the quants
+ * as they are, in the pairs pair_x writes, and each block's sums are scaled once.
  * Included by cpu_linear.c, which defines the formats, G, KB and PREFETCH. */
 #include <immintrin.h>
 
