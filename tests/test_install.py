@@ -102,3 +102,28 @@ def test_the_wheel_installs_only_the_pdserve_namespace(tmp_path):
         "pdserve/benchmarks/load_gen.py",
     ):
         assert path in names, path
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_the_kernels_folder_leaves_its_top_level_name_to_the_installed_package(tmp_path, installed):
+    """Run from the repository's root, `import kernels` finds this repository's folder first; transformers >= 5.25
+    imports Hugging Face's `kernels` at start, and every service failed to start when it got ours instead. The
+    folder hands the name to the installed package, or says there is none."""
+    site = tmp_path / "site"
+    if installed:
+        (site / "kernels").mkdir(parents=True)
+        (site / "kernels" / "__init__.py").write_text("CUDAProperties = 'the installed one'\n")
+    code = (
+        "import sys\n"
+        f"sys.path[:0] = [{str(ROOT)!r}]\n"
+        f"sys.path.append({str(site)!r})\n"
+        "try:\n"
+        "    from kernels import CUDAProperties\n"
+        "    print(CUDAProperties)\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print('missing', e.name)\n"
+        "import pdserve.kernels.cpu_isa\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("the installed one" if installed else "missing kernels")
