@@ -46,6 +46,15 @@ static inline __attribute__((always_inline)) void raw8(const int fmt, const uint
     *w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 }
 
+/* Rows k and k + 1 (k even) of a 4-bit block, columns h*8 .. h*8+7, as x in pair_x's pairs meets them: the low
+ * nibble, and the whole byte (16 hi + lo). */
+static inline __attribute__((always_inline)) void pair8(const int fmt, const uint8_t *blk, int k, int h, __m256 *lo,
+                                                        __m256 *byte) {
+    const uint8_t *p = blk + (fmt == Q4_1 ? 64 : 32) + (k / 2) * G + h * 8;
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), *byte = _mm256_cvtepi32_ps(v);
+}
+
 /* Rows k and k + 1 (k even) of a block, columns h*8 .. h*8+7, dequantized. */
 static inline __attribute__((always_inline)) void widen8(const int fmt, const uint8_t *blk, int k, int h, __m256 d,
                                                          __m256 m, __m256 *w0, __m256 *w1) {
@@ -149,16 +158,11 @@ static inline __attribute__((always_inline)) void row8_raw(const int fmt, const 
         for (int k = 0; k < KB; k += 2) {
             const int s = k & 2;
             __m256 w0[2], w1[2];
-            for (int c = 0; c < 2; c++) {
-                if (fmt == Q8_0) {
+            for (int c = 0; c < 2; c++)
+                if (fmt == Q8_0)
                     raw8(fmt, blk, k, c, &w0[c], &w1[c]);
-                    continue;
-                }
-                const uint8_t *p = blk + (fmt == Q4_1 ? 64 : 32) + (k / 2) * G + c * 8;
-                const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-                w0[c] = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-                w1[c] = _mm256_cvtepi32_ps(v);
-            }
+                else
+                    pair8(fmt, blk, k, c, &w0[c], &w1[c]);
             const __m256 x0 = _mm256_broadcast_ss(xb + k), x1 = _mm256_broadcast_ss(xb + k + 1);
             for (int c = 0; c < 2; c++)
                 a[c][s] = _mm256_fmadd_ps(x0, w0[c], a[c][s]), a[c][s + 1] = _mm256_fmadd_ps(x1, w1[c], a[c][s + 1]);
@@ -228,11 +232,9 @@ static inline __attribute__((always_inline)) void group8_blocks_fmt(const int fm
             scales8(fmt, blk, h, &d[h], &m[h]);
             for (int k = 0; k < KB; k += 2) {
                 __m256 w0, w1;
-                if (raw) {
-                    const uint8_t *p = blk + (fmt == Q4_1 ? 64 : 32) + (k / 2) * G + h * 8;
-                    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-                    w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), w1 = _mm256_cvtepi32_ps(v);
-                } else
+                if (raw)
+                    pair8(fmt, blk, k, h, &w0, &w1);
+                else
                     widen8(fmt, blk, k, h, d[h], m[h], &w0, &w1);
                 _mm256_store_ps(w + k * G + h * 8, w0), _mm256_store_ps(w + (k + 1) * G + h * 8, w1);
             }
