@@ -60,7 +60,7 @@ class Row:
     ms: float
     bytes: float  # what it must read
     flops: float  # what it must compute
-    beside: tuple[float, float] = (0.0, 0.0)  # (bytes/s, flop/s) measured around this row: probe()
+    beside: tuple[float, float] = (0.0, 0.0)  # (bytes/s, flop/s) measured around this row: Beside
     limit_ms: float = 0.0  # bind() sets these two
     bound: str = ""  # "bytes" or "flops": which limit binds
 
@@ -109,10 +109,10 @@ def _best(fn, reps: int) -> float:
     return min(times)
 
 
-def bandwidth() -> float:
-    """Bytes per second a sum over 1 GiB reads (best of 5): what a decode step's weight reads can reach."""
+def bandwidth(reps: int = 5) -> float:
+    """Bytes per second a sum over 1 GiB reads (best of `reps`): what a decode step's weight reads can reach."""
     big = torch.ones(256 << 20)
-    return big.numel() * 4 / _best(big.sum, 5)
+    return big.numel() * 4 / _best(big.sum, reps)
 
 
 def gemm_rate(reps: int = 5) -> float:
@@ -135,8 +135,7 @@ class Beside:
 
     @staticmethod
     def _probe() -> tuple[float, float]:
-        big = torch.ones(256 << 20)
-        return big.numel() * 4 / _best(big.sum, 2), gemm_rate(2)
+        return bandwidth(2), gemm_rate(2)
 
 
 def _engine(fmt: str, batch: int):

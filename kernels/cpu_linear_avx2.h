@@ -30,8 +30,13 @@ static inline __attribute__((always_inline)) void scales8(const int fmt, const u
         *m = _mm256_mul_ps(*d, _mm256_set1_ps(-8.0f));
 }
 
-/* Rows k and k + 1 (k even) of a 4-bit or Q8_0 block, columns h*8 .. h*8+7, as the quants are (not scaled); a
- * 4-bit block's byte (k/2, c) holds k low, k + 1 high. */
+/* The bytes (k/2, h*8 .. h*8+7) of a 4-bit block (k even), one to a 32-bit lane: k in the low nibble, k + 1 high. */
+static inline __attribute__((always_inline)) __m256i bytes8(const int fmt, const uint8_t *blk, int k, int h) {
+    const uint8_t *p = blk + (fmt == Q4_1 ? 64 : 32) + (k / 2) * G + h * 8;
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+/* Rows k and k + 1 (k even) of a 4-bit or Q8_0 block, columns h*8 .. h*8+7, as the quants are (not scaled). */
 static inline __attribute__((always_inline)) void raw8(const int fmt, const uint8_t *blk, int k, int h, __m256 *w0,
                                                        __m256 *w1) {
     if (fmt == Q8_0) {
@@ -40,8 +45,7 @@ static inline __attribute__((always_inline)) void raw8(const int fmt, const uint
         *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + G))));
         return;
     }
-    const uint8_t *p = blk + (fmt == Q4_1 ? 64 : 32) + (k / 2) * G + h * 8;
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i v = bytes8(fmt, blk, k, h);
     *w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
     *w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 }
@@ -50,8 +54,7 @@ static inline __attribute__((always_inline)) void raw8(const int fmt, const uint
  * nibble, and the whole byte (16 hi + lo). */
 static inline __attribute__((always_inline)) void pair8(const int fmt, const uint8_t *blk, int k, int h, __m256 *lo,
                                                         __m256 *byte) {
-    const uint8_t *p = blk + (fmt == Q4_1 ? 64 : 32) + (k / 2) * G + h * 8;
-    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i v = bytes8(fmt, blk, k, h);
     *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), *byte = _mm256_cvtepi32_ps(v);
 }
 
