@@ -12,13 +12,16 @@ import torch
 from pdserve.engine.attention import AttentionMetadata, CpuAttention, TorchAttention, select_backend
 from pdserve.kernels import c_build, cpu_isa, cpu_paged_attention
 from pdserve.kernels.paged_attention import decode_attention, decode_mask
+from tests.cpu_levels import LEVELS, build_for
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+@pytest.fixture(scope="module", params=LEVELS)
 def kernel(request, tmp_path_factory) -> cpu_paged_attention.CpuPagedAttention:
-    """Both builds: the SIMD one this machine gets (AVX-512 where it has it) and the plain-C loops."""
-    defines = ("CPU_ATTENTION_PORTABLE",) if request.param == "portable" else ()
-    built = cpu_paged_attention.load(tmp_path_factory.mktemp("kernels"), defines)
+    """Every build this machine can run: each ISA level's (the plain-C loops, AVX2's, AVX-512's) and its own."""
+    mp = pytest.MonkeyPatch()
+    build_for(mp, request.param)
+    built = cpu_paged_attention.load(tmp_path_factory.mktemp(f"kernels-{request.param}"))
+    mp.undo()
     assert built is not None, "this machine has gcc: the kernel must build"
     return built
 
@@ -37,7 +40,13 @@ def _case(
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (16, 1, 128, 32)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block_size",
+    [(9, 3, 64, 16), (4, 4, 32, 8), (16, 1, 128, 32)]
+    # 1 to 4 query heads a KV head at 64 and 128 values a head: each shape the bf16 pairs path has its own copy of
+    + [(2 * g, 2, dim, 16) for g in (1, 2, 4) for dim in (64, 128)]
+    + [(6, 2, 128, 16)],
+)
 def test_kernel_matches_gather_and_sdpa(kernel, dtype, tol, heads, kv_heads, dim, block_size):
     """Contexts of 1 token, part of a block, exactly a block and many blocks, any block order, grouped-query
     heads: the same output as gathering the blocks and running SDPA (both compared with an fp32 computation)."""
