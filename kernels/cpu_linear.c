@@ -554,23 +554,33 @@ static void two_panels(const float *p0, const float *p1, int64_t K, const float 
 #endif
 
 /* xs[r * nb + b]: the sum of row r's x over block b (the term a block's minimum multiplies). */
+static inline void row_block_sums(const float *x, int64_t K, float *xs) {
+    const int64_t nb = (K + KB - 1) / KB;
+    for (int64_t b = 0; b < nb; b++) {
+        /* 8 partial sums, added in a fixed order: one chain of 32 dependent adds cost more than the call's
+         * products at one row of a small layer */
+        float part[8] = {0}, s = 0;
+        const float *xb = x + b * KB;
+        if (K - b * KB >= KB)
+            for (int k = 0; k < KB; k += 8)
+                for (int j = 0; j < 8; j++) part[j] += xb[k + j];
+        else
+            for (int k = 0; k < K - b * KB; k++) part[k % 8] += xb[k];
+        for (int j = 0; j < 8; j++) s += part[j];
+        xs[b] = s;
+    }
+}
+
+/* The same for M rows, in parallel only when there is enough of them: an OpenMP region, even of one thread, cost
+ * more than a row's sums. */
 static void block_sums(const float *x, int64_t ldx, int64_t M, int64_t K, float *xs, int nthreads) {
-    int64_t nb = (K + KB - 1) / KB;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * K > 65536)
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            /* 8 partial sums, added in a fixed order: one chain of 32 dependent adds cost more than the call's
-             * products at one row of a small layer */
-            float part[8] = {0}, s = 0;
-            const float *xb = x + r * ldx + b * KB;
-            if (K - b * KB >= KB)
-                for (int k = 0; k < KB; k += 8)
-                    for (int j = 0; j < 8; j++) part[j] += xb[k + j];
-            else
-                for (int k = 0; k < K - b * KB; k++) part[k % 8] += xb[k];
-            for (int j = 0; j < 8; j++) s += part[j];
-            xs[r * nb + b] = s;
-        }
+    const int64_t nb = (K + KB - 1) / KB;
+    if (M * K <= 65536) {
+        for (int64_t r = 0; r < M; r++) row_block_sums(x + r * ldx, K, xs + r * nb);
+        return;
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < M; r++) row_block_sums(x + r * ldx, K, xs + r * nb);
 }
 
 static void store_rows(const float *acc, int rows, int cols, const float *bias, void *yout, int64_t ldy, int y_bf16,
