@@ -169,16 +169,17 @@ def apply(
     what = ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items()))
     if set(formats) == {"bf16_rows"}:
         return (
-            f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}) up to {quant_linear.BF16_ROWS_DECODE} rows, "
+            f"linear layers: {what}; cpu_linear.c ({kernels.isa}) up to {kernels.bf16_rows_decode} rows, "
             "oneDNN's packed bf16 GEMM above (the weights are held twice)"
         )
     if kernels.bf16_dot and dtype == torch.bfloat16 and set(formats) & {"q8_0", "q4_0", "q4_1"}:
         return (
-            f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}, vdpbf16ps) at any row count for Q8_0 and 4-bit "
-            f"blocks, up to {kernels.prompt_rows} rows for the others, the fp32 GEMM over the dequantized weight above"
+            f"linear layers: {what}; cpu_linear.c ({kernels.isa}; bf16 pair products) at any row count for Q8_0 and "
+            f"4-bit blocks, up to {kernels.prompt_rows} rows for the others, the fp32 GEMM over the dequantized weight "
+            "above"
         )
     return (
-        f"linear layers: {what}; cpu_linear.c ({cpu_isa.level()}) up to {kernels.prompt_rows} rows, "
+        f"linear layers: {what}; cpu_linear.c ({kernels.isa}) up to {kernels.prompt_rows} rows, "
         "the fp32 GEMM over the dequantized weight above"
     )
 

@@ -512,6 +512,125 @@ static void group_dp(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const 
 #undef TILE_DP
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(NO_AMX)
+#define AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#ifndef AMX_ROWS
+#define AMX_ROWS 4 /* from this many bf16 rows on, Q8_0 and 4-bit blocks multiply on the tile unit */
+#endif
+/* Linux hands out the tile registers' state only on request, once per process (ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA); without it the first tile instruction is an illegal one. 0 unknown, 1 granted, -1 not. */
+static int amx_state;
+static int amx_usable(void) {
+    int s = __atomic_load_n(&amx_state, __ATOMIC_RELAXED);
+    if (!s) {
+        s = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+        __atomic_store_n(&amx_state, s, __ATOMIC_RELAXED);
+    }
+    return s > 0;
+}
+
+/* Six tiles of 16 rows by 64 bytes. Blocks (group_amx): tile 0 the products of 16 rows with one block [16][16]
+ * fp32, tile 1 the rows' x at the block [16][32] bf16, tile 2 the block's quants as 16 bf16 pairs of rows
+ * [16][16][2] (exact, like vdpbf16ps's). bf16_rows (bf16_rows_amx): tiles 0-3 the sums of up to 64 rows, tile 4
+ * 16 rows of the weight, tile 5 16 rows of x in pairs. */
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed, aligned(64))) cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* A group against `rows` bf16 rows on the tile unit: each block's quants become bf16 pairs once (as group_dp's
+ * do), one tile product per 16 rows gives the block's unscaled sums, and those are scaled into acc as tile_dp
+ * scales its own (d sum x q, + m sum x for 4-bit). The tile unit reads the pairs, and the vector unit the sums,
+ * through memory: so the pairs are written one block ahead and the sums scaled one block behind, and neither
+ * unit waits on the other's stores. xp: the rows zero-padded to 16 and to whole blocks, row stride ldp. */
+static inline __attribute__((always_inline)) void group_amx(const int fmt, const uint8_t *blk, int64_t bb, int64_t nb,
+                                                            const uint16_t *xp, int64_t ldp, int rows, const int rmax,
+                                                            const float *xs, float *acc) {
+    const __m512i lut = _mm512_loadu_si512(NIBBLE_BF16);
+    __m512bh wv[2][KB / 2];
+    float c[2][MT / 16][16 * G] __attribute__((aligned(64)));
+    float d[G] __attribute__((aligned(64))) = {0}, m[G] __attribute__((aligned(64))) = {0};
+    __m512 dv = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
+    const int chunks = (rows + 15) / 16;
+    __m512 ra[16]; /* up to rmax (8 or 16) rows' sums stay in registers: rmax is known, so the loops unroll */
+    for (int r = 0; r < 16; r++) ra[r] = _mm512_setzero_ps();
+    if (rows > rmax) memset(acc, 0, sizeof(float) * rows * G);
+    for (int64_t b = 0; b <= nb; b++, blk += bb) {
+        if (b < nb) {
+            for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
+            const uint8_t *qs = blk + (fmt == Q4_1 ? 64 : 32);
+            if (b == 0)
+#pragma GCC unroll 16
+                for (int p = 0; p < KB / 2; p++) wv[0][p] = fmt == Q8_0 ? pair_q8(qs, p) : pair_q4(qs, p, lut);
+            if (b + 1 < nb) {
+                const uint8_t *qn = qs + bb;
+#pragma GCC unroll 16
+                for (int p = 0; p < KB / 2; p++)
+                    wv[(b + 1) & 1][p] = fmt == Q8_0 ? pair_q8(qn, p) : pair_q4(qn, p, lut);
+            }
+            _tile_loadd(2, wv[b & 1], 64);
+            for (int i = 0; i < chunks; i++) {
+                _tile_loadd(1, xp + i * 16 * ldp + b * KB, ldp * 2);
+                _tile_zero(0);
+                _tile_dpbf16ps(0, 1, 2);
+                _tile_stored(0, c[b & 1][i], 64);
+            }
+        }
+        if (b > 0) { /* block b - 1's sums, scaled */
+            const float *cp = &c[(b - 1) & 1][0][0];
+            if (rows <= rmax) {
+                for (int r = 0; r < rmax; r++) {
+                    if (r >= rows) break;
+                    ra[r] = _mm512_fmadd_ps(dv, _mm512_load_ps(cp + r * G), ra[r]);
+                    if (fmt != Q8_0) ra[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nb + b - 1]), ra[r]);
+                }
+            } else
+            for (int r = 0; r < rows; r++) {
+                float *ar = acc + r * G;
+                __m512 a = _mm512_fmadd_ps(dv, _mm512_load_ps(cp + (r / 16) * 16 * G + (r % 16) * G), _mm512_loadu_ps(ar));
+                if (fmt != Q8_0) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nb + b - 1]), a);
+                _mm512_storeu_ps(ar, a);
+            }
+        }
+        if (b < nb) {
+            scales(fmt, blk, d, m);
+            dv = _mm512_load_ps(d), mv = _mm512_load_ps(m);
+        }
+    }
+    if (rows <= rmax)
+        for (int r = 0; r < rmax; r++) {
+            if (r >= rows) break;
+            _mm512_storeu_ps(acc + r * G, ra[r]);
+        }
+}
+
+/* group_amx with its format and register budget known to the compiler. */
+static void group_amx_rows(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const uint16_t *xp, int64_t ldp,
+                           int rows, const float *xs, float *acc) {
+    const int r8 = rows <= 8;
+    if (fmt == Q8_0)
+        r8 ? group_amx(Q8_0, blk, bb, nb, xp, ldp, rows, 8, xs, acc)
+           : group_amx(Q8_0, blk, bb, nb, xp, ldp, rows, 16, xs, acc);
+    else if (fmt == Q4_0)
+        r8 ? group_amx(Q4_0, blk, bb, nb, xp, ldp, rows, 8, xs, acc)
+           : group_amx(Q4_0, blk, bb, nb, xp, ldp, rows, 16, xs, acc);
+    else
+        r8 ? group_amx(Q4_1, blk, bb, nb, xp, ldp, rows, 8, xs, acc)
+           : group_amx(Q4_1, blk, bb, nb, xp, ldp, rows, 16, xs, acc);
+}
+#else
+#define AMX 0
+#endif
+
 /* One group for 4 to PANEL_ROWS rows: each block decoded once into L1 and used by every row, the block's scales
  * applied to the rows' partial sums; acc[rows][16]. */
 static void blockwise_group(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const float *x, int64_t ldx,
@@ -789,8 +908,107 @@ static inline __attribute__((always_inline)) void tile_rows_dp2(const uint16_t *
 }
 #endif
 
+#if AMX
+#ifndef AMX_BF16_ROWS
+#define AMX_BF16_ROWS 4 /* from this many bf16 rows on, bf16_rows multiplies on the tile unit */
+#endif
+#define AMX_MT 64 /* rows per pass over a group: one tile of sums per 16 */
+
+/* bf16_rows on the tile unit, the weight as the left operand: 16 of its rows [16][32] straight from memory per
+ * tile, the activations as the right one, laid out once per call in pairs along K (xv: per 16 rows, [K/2][16][2],
+ * zero-padded), so the sums come out [16 columns][16 rows] and are stored transposed. Up to AMX_MT rows share each
+ * load of the weight. */
+static int bf16_rows_amx(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, const uint16_t *w, int64_t N,
+                         const float *bias, void *yout, int64_t ldy, int y_bf16, int nthreads) {
+    const int64_t kp = (K + KB - 1) / KB * KB, chunks = (M + 15) / 16, steps = kp / KB, groups = (N + G - 1) / G;
+    uint16_t *xv = aligned_alloc(64, sizeof(uint16_t) * chunks * kp * 16);
+    if (!xv) return -2;
+    memset(xv, 0, sizeof(uint16_t) * chunks * kp * 16);
+    for (int64_t m = 0; m < M; m++) { /* a pair of x is one 32-bit word: a transpose of words */
+        uint32_t *to = (uint32_t *)xv + (m / 16) * (kp / 2) * 16 + m % 16;
+        const uint16_t *from = x + m * ldx;
+        for (int64_t p = 0; p < K / 2; p++) memcpy(to + p * 16, from + 2 * p, sizeof(uint32_t));
+        if (K & 1) memcpy(to + (K / 2) * 16, from + K - 1, sizeof(uint16_t));
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        amx_configure();
+        uint16_t *pad = NULL; /* a short group's rows, or a ragged last block, zero-padded: [16][kp] */
+        float sums[AMX_MT / 16][16 * G] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n0 = g * G;
+            const int cols = N - n0 < G ? (int)(N - n0) : G;
+            const uint16_t *a = w + n0 * K;
+            int64_t lda = K;
+            if (cols < G || K % KB) {
+                if (!pad && !(pad = aligned_alloc(64, sizeof(uint16_t) * 16 * kp))) {
+                    failed = 1;
+                    continue;
+                }
+                memset(pad, 0, sizeof(uint16_t) * 16 * kp);
+                for (int c = 0; c < cols; c++) memcpy(pad + c * kp, a + c * K, sizeof(uint16_t) * K);
+                a = pad, lda = kp;
+            }
+            const uint8_t *next = (const uint8_t *)(w + (n0 + G) * K);
+            const int64_t ahead = g + 1 < groups ? (int64_t)sizeof(uint16_t) * G * K / steps : 0;
+            for (int64_t r0 = 0; r0 < M; r0 += AMX_MT) {
+                const int64_t nc = (M - r0 + 15) / 16 < AMX_MT / 16 ? (M - r0 + 15) / 16 : AMX_MT / 16;
+                const uint16_t *xb = xv + (r0 / 16) * (kp / 2) * 32;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t s = 0; s < steps; s++) {
+                    if (r0 == 0)
+                        for (int64_t off = 0; off < ahead; off += 64) __builtin_prefetch(next + s * ahead + off, 0, 2);
+                    _tile_loadd(4, a + s * KB, lda * 2);
+#define AMX_CHUNK(T)                                                                                                   \
+    if (nc > T) {                                                                                                      \
+        _tile_loadd(5, xb + ((T) * (kp / 2) + s * 16) * 32, 64);                                                       \
+        _tile_dpbf16ps(T, 4, 5);                                                                                       \
+    }
+                    AMX_CHUNK(0)
+                    AMX_CHUNK(1)
+                    AMX_CHUNK(2)
+                    AMX_CHUNK(3)
+#undef AMX_CHUNK
+                }
+                _tile_stored(0, sums[0], 64);
+                if (nc > 1) _tile_stored(1, sums[1], 64);
+                if (nc > 2) _tile_stored(2, sums[2], 64);
+                if (nc > 3) _tile_stored(3, sums[3], 64);
+                const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
+                                                                           3, 2, 1, 0),
+                                                          _mm512_set1_epi32(16));
+                const __mmask16 keep = (__mmask16)((1u << cols) - 1);
+                const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+                for (int64_t m = r0; m < M && m < r0 + AMX_MT; m++) {
+                    const __m512 v =
+                        _mm512_add_ps(_mm512_i32gather_ps(across, sums[(m - r0) / 16] + (m - r0) % 16, 4), b);
+                    if (y_bf16)
+                        _mm256_mask_storeu_epi16((uint16_t *)yout + m * ldy + n0, keep,
+                                                 (__m256i)_mm512_cvtneps_pbh(v));
+                    else
+                        _mm512_mask_storeu_ps((float *)yout + m * ldy + n0, keep, v);
+                }
+            }
+        }
+        free(pad);
+        _tile_release();
+    }
+    free(xv);
+    return failed ? -2 : 0;
+}
+#endif
+
 static int linear_bf16_rows(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint16_t *w,
                             int64_t N, const float *bias, void *yout, int64_t ldy, int y_bf16, int nthreads) {
+#if AMX
+    if (x_bf16 && M >= AMX_BF16_ROWS && amx_usable())
+        return bf16_rows_amx(xin, ldx, M, K, w, N, bias, yout, ldy, y_bf16, nthreads);
+#endif
     const float *x = xin;
     float *scratch = NULL;
 #if defined(__AVX512BF16__)
@@ -865,13 +1083,17 @@ static int linear_bf16_rows(const void *xin, int64_t ldx, int x_bf16, int64_t M,
     return 0;
 }
 
-/* What this build computes with: 1 = vdpbf16ps (AVX512-BF16) for bf16 activations; 2 = 4-bit quants in chunks. */
+/* What this build computes with: 1 = vdpbf16ps (AVX512-BF16) for bf16 activations; 2 = 4-bit quants in chunks;
+ * 4 = AMX tiles, built for and granted by the kernel (asked for here, once per process). */
 int features(void) {
+    int f = Q4_CHUNKS ? 2 : 0;
 #if defined(__AVX512BF16__)
-    return 1 | 2 * Q4_CHUNKS;
-#else
-    return 2 * Q4_CHUNKS;
+    f |= 1;
 #endif
+#if AMX
+    if (amx_usable()) f |= 4;
+#endif
+    return f;
 }
 
 /* y = x W^T + bias. x [M, K] with row stride ldx, y [M, N] with row stride ldy, each fp32 or (x_bf16, y_bf16)
@@ -920,8 +1142,26 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
 #endif
     int64_t tasks = (groups + PAIR - 1) / PAIR;
     int use_panels = !TILE8 && M >= PANEL_ROWS && !dp4 && !dp8, failed = 0;
+    uint16_t *xpad = NULL; /* the tile unit's x: rows padded to 16, K to whole blocks, with zeros */
+    __attribute__((unused)) const int64_t ldp = nb * KB;
+#if AMX
+    if ((dp4 || dp8) && M >= AMX_ROWS && amx_usable()) {
+        const int64_t mp = (M + 15) / 16 * 16;
+        xpad = aligned_alloc(64, sizeof(uint16_t) * mp * ldp);
+        if (!xpad) {
+            free(scratch);
+            return -2;
+        }
+        memset(xpad, 0, sizeof(uint16_t) * mp * ldp);
+        for (int64_t r = 0; r < M; r++)
+            memcpy(xpad + r * ldp, (const uint16_t *)xin + r * ldx_in, sizeof(uint16_t) * K);
+    }
+#endif
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
+#if AMX
+        if (xpad) amx_configure();
+#endif
         float *panels = use_panels ? aligned_alloc(64, sizeof(float) * PAIR * nb * KB * G) : NULL;
         float acc0[MT * G] __attribute__((aligned(64)));
         __attribute__((unused)) float acc1[MT * G] __attribute__((aligned(64)));
@@ -959,6 +1199,14 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
                         continue;
                     }
 #endif
+#if AMX
+                    if (xpad) {
+                        group_amx_rows(fmt, w + g * nb * bb, bb, nb, xpad + r0 * ldp, ldp, rows, xsr, acc0);
+                        store_rows(acc0, rows, N - g * G < G ? (int)(N - g * G) : G, bias, yout, ldy, y_bf16, r0,
+                                   g * G);
+                        continue;
+                    }
+#endif
 #if defined(__AVX512BF16__)
                     if ((dp4 && rows > 1) || dp8) {
                         const uint16_t *xb = (const uint16_t *)xin + r0 * ldx_in;
@@ -989,7 +1237,11 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
             }
         }
         free(panels);
+#if AMX
+        if (xpad) _tile_release();
+#endif
     }
+    free(xpad);
     free(scratch);
     return failed ? -2 : 0;
 }

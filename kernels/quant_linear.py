@@ -29,7 +29,9 @@ FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "bf16_rows": 5}
 PLAIN = ("f32", "bf16", "bf16_rows")  # formats that hold the weight as it is
 GROUP, BLOCK = 16, 32
 PROMPT_ROWS = {"avx512": 128, "avx2": 128, "portable": 32}  # more rows: the fp32 GEMM over the dequantized weight
-BF16_ROWS_DECODE = 8  # bf16_rows: more rows than this go to oneDNN's bf16 GEMM
+# bf16_rows: more rows than this go to oneDNN's bf16 GEMM; with AMX tiles the kernel keeps up with oneDNN's to 16 rows
+# and the fused decode layer, which runs only on the kernel, gains more than that from 16 to 64
+BF16_ROWS_DECODE = {False: 8, True: 64}
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -196,6 +198,9 @@ class CpuLinear:
         features = lib.features()
         self.bf16_dot = bool(features & 1)  # vdpbf16ps: bf16 rows against Q8_0 / 4-bit blocks, 2x fp32's rate
         self.q4_chunks = bool(features & 2)  # the 4-bit quants' layout this build reads (`pack`)
+        self.tiles = bool(features & 4)  # AMX: bf16 rows against blocks and bf16_rows from a few rows on
+        self.bf16_rows_decode = BF16_ROWS_DECODE[self.tiles]
+        self.isa = f"{level}, AMX tiles" if self.tiles else level  # for the start-up log
 
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, fmt: str, n: int, bias: torch.Tensor | None
@@ -264,7 +269,8 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernels = kernels
         self.nbytes = int(self.packed.numel())
-        self.decode_rows = BF16_ROWS_DECODE if self.fmt == "bf16_rows" else kernels.prompt_rows  # on cpu_linear.c
+        # the rows that run on cpu_linear.c
+        self.decode_rows = kernels.bf16_rows_decode if self.fmt == "bf16_rows" else kernels.prompt_rows
         # bf16 rows against Q8_0 or 4-bit blocks with vdpbf16ps beat dequantizing for the fp32 GEMM at any length
         # (Q8_0 at 128 / 512 rows: 2-3x faster)
         self.bf16_rows = 1 << 30 if kernels.bf16_dot and self.fmt in ("q8_0", "q4_0", "q4_1") else self.decode_rows

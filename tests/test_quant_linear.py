@@ -155,12 +155,15 @@ def test_blocks_of_every_format_are_packed_into_whole_groups():
 
 def test_the_native_build_multiplies_bf16_pairs_where_the_cpu_can(tmp_path, monkeypatch):
     """vdpbf16ps paths exist only in a -march=native build on a CPU with AVX512-BF16 (no ISA level includes it),
-    so the "native" rows above are what test them."""
+    and AMX tile paths only in one on a CPU with AMX-BF16, so the "native" rows above are what test them."""
     monkeypatch.delenv(cpu_isa.ENV, raising=False)
     lib = quant_linear.load(tmp_path)
     if lib is None:
         pytest.skip("no C compiler")
     has = cpu_isa.detected() == "avx512" and "avx512_bf16" in cpu_isa.cpu_flags()
     assert lib.bf16_dot == has
+    assert lib.tiles == (has and {"amx_tile", "amx_bf16"} <= cpu_isa.cpu_flags())  # the AMX paths, likewise
+    assert lib.bf16_rows_decode == (64 if lib.tiles else 8)
     monkeypatch.setenv(cpu_isa.ENV, "avx512")
-    assert not quant_linear.load(tmp_path / "capped").bf16_dot  # type: ignore[union-attr]
+    capped = quant_linear.load(tmp_path / "capped")
+    assert capped is not None and not capped.bf16_dot and not capped.tiles

@@ -131,7 +131,7 @@ def test_bf16_runs_the_c_kernel_for_decode_rows_everywhere(tiny_model_dir, tmp_p
         assert {m.fmt for m in model.modules() if isinstance(m, QuantLinear)} == {fmt}
     embedding = model.model.embed_tokens.weight
     assert model.lm_head.packed.data_ptr() == embedding.data_ptr()  # the tied head is not copied
-    x = torch.randn(quant_linear.BF16_ROWS_DECODE + 5, 64).bfloat16()  # prompt rows: oneDNN where it packs bf16
+    x = torch.randn(kernels.bf16_rows_decode + 5, 64).bfloat16()  # prompt rows: oneDNN where it packs bf16
     head = model.lm_head
     want = torch.nn.functional.linear(x.float(), embedding.float()).bfloat16()
     assert torch.allclose(head(x).float(), want.float(), atol=0.05, rtol=0.02)
