@@ -132,6 +132,26 @@ class Stack:
                 p.wait(5)
 
 
+def wait_routable(stack: Stack, timeout: float = 60.0) -> None:
+    """Until the gateway counts every worker healthy. It serves once one worker of each role answers its poll,
+    and one still starting then joins at a later probe: requests sent before that would all go to the others
+    (a routing test saw 10, 5 and 0 prefills on three workers). A stack with a worker the gateway refuses still
+    starts, after `timeout`; its test asserts what follows."""
+    want = {"prefill": len(stack.prefill), "decode": len(stack.decode)}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            seen = scrape(stack.metrics["gateway"])
+        except OSError:
+            seen = {}
+        healthy = {
+            r: seen.get(("pdserve_gateway_workers", frozenset({("role", r), ("state", "healthy")})), 0) for r in want
+        }
+        if all(healthy[r] >= n for r, n in want.items()):
+            return
+        time.sleep(0.05)
+
+
 def start_stack(
     extra: list[str] = (),
     dtype: str = "float32",
@@ -210,6 +230,7 @@ def start_stack(
         )
         for addr, proc in zip([*stack.prefill, *stack.decode, stack.gateway], stack.procs):
             wait_serving(addr, proc, tls=tls)
+        wait_routable(stack)
     except BaseException:
         stack.stop()
         raise
