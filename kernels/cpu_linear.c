@@ -596,7 +596,7 @@ static inline __attribute__((always_inline)) void group_amx(const int fmt, const
             } else
             for (int r = 0; r < rows; r++) {
                 float *ar = acc + r * G;
-                __m512 a = _mm512_fmadd_ps(dv, _mm512_load_ps(cp + (r / 16) * 16 * G + (r % 16) * G), _mm512_loadu_ps(ar));
+                __m512 a = _mm512_fmadd_ps(dv, _mm512_load_ps(cp + r * G), _mm512_loadu_ps(ar));
                 if (fmt != Q8_0) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nb + b - 1]), a);
                 _mm512_storeu_ps(ar, a);
             }
@@ -930,6 +930,8 @@ static int bf16_rows_amx(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, c
         for (int64_t p = 0; p < K / 2; p++) memcpy(to + p * 16, from + 2 * p, sizeof(uint32_t));
         if (K & 1) memcpy(to + (K / 2) * 16, from + K - 1, sizeof(uint16_t));
     }
+    /* a row's sums down the column of a [16 columns][16 rows] tile: every 16th value */
+    const __m512i across = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
@@ -979,9 +981,6 @@ static int bf16_rows_amx(const uint16_t *x, int64_t ldx, int64_t M, int64_t K, c
                 if (nc > 1) _tile_stored(1, sums[1], 64);
                 if (nc > 2) _tile_stored(2, sums[2], 64);
                 if (nc > 3) _tile_stored(3, sums[3], 64);
-                const __m512i across = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
-                                                                           3, 2, 1, 0),
-                                                          _mm512_set1_epi32(16));
                 const __mmask16 keep = (__mmask16)((1u << cols) - 1);
                 const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
                 for (int64_t m = r0; m < M && m < r0 + AMX_MT; m++) {
