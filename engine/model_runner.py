@@ -14,7 +14,7 @@ import torch
 from pdserve.engine import weight_format
 from pdserve.engine.attention import AttentionMetadata, select_backend
 from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
-from pdserve.engine.host_memory import keep_freed_memory
+from pdserve.engine.host_memory import keep_freed_memory, weights_into_huge_pages, zeros_in_huge_pages
 from pdserve.engine.kv_cache import plan_kv_cache
 from pdserve.engine.model import LlamaForCausalLM, load_model
 from pdserve.engine.model_store import cache_dir, gguf_source, resolve_model
@@ -49,7 +49,8 @@ class ModelRunner:
         self.config: ModelConfig = model.config
         self.layout = layout
         self.device = torch.device(device)
-        self.kv_cache = layout.allocate(self.device)
+        cpu = self.device.type == "cpu"
+        self.kv_cache = zeros_in_huge_pages(layout.shape, layout.torch_dtype) if cpu else layout.allocate(self.device)
         self.backend = select_backend(attention_backend, self.device, layout.block_size, layout.torch_dtype)
         self.sampler = Sampler(self.config.vocab_size, self.config.eos_token_ids)
 
@@ -79,6 +80,7 @@ class ModelRunner:
             kernels = quant_linear.load(cache_dir() / "kernels") if wants_kernels else None
             gguf = gguf_source(resolve_model(cfg.model)) if cfg.quantization == "gguf" else None
             log.info("%s", weight_format.apply(model, cfg.quantization, dtype, kernels, gguf))
+            log.info("%s", weights_into_huge_pages(model).describe())
         if device.type == "cpu" and cfg.fused_elementwise:
             ops = cpu_elementwise.load(cache_dir() / "kernels")
             if ops is not None and dtype == torch.bfloat16:
