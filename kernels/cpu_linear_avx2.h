@@ -6,17 +6,16 @@
  * accumulators taking even and odd k in turn: R * C * S chains of FMAs, at least 8 where the rows allow (two FMA
  * pipes of 4 cycles' latency), at most 12 so that weights, scales and a broadcast still fit in registers. The
  * weights of a block are read straight from the packing, so one row costs one pass over them, and R rows share
- * each widening. From 16 rows on (8 for 4-bit blocks) each block is widened once into L1 and tiles of 4-6 rows by
+ * each widening. From 8 rows on each block is widened once into L1 and tiles of 4-6 rows by
  * all 16 columns read it there instead (q4_1 at 128 rows over the built-in model's qkv, gate/up and down, 2
  * threads, AVX2 cap on an EPYC: 7.1-7.6 -> 5.1-5.8 ms, as fast as MKL's fp32 GEMM on fp32 weights).
- * 4-bit blocks at one row (row8_raw) and from 8 rows on are not dequantized a weight at a time: x meets the quants
- * as they are, in the pairs pair_x writes, and each block's sums are scaled once.
+ * 4-bit and Q8_0 blocks at one row (row8_raw) and from 8 rows on are not dequantized a weight at a time: x meets
+ * the quants as they are (4-bit: in the pairs pair_x writes), and each block's sums are scaled once.
  * Included by cpu_linear.c, which defines the formats, G, KB and PREFETCH. */
 #include <immintrin.h>
 
 #ifndef TILE8_BLOCK_ROWS
-#define TILE8_BLOCK_ROWS 16 /* from this many rows on (8 for 4-bit blocks, the dearest to widen), each block
-                               is widened once into L1 for all of them */
+#define TILE8_BLOCK_ROWS 8 /* from this many rows on each block is widened once into L1 for all of them */
 #endif
 
 /* A block's scales for columns h*8 .. h*8+7: d, and m (q4_0: -8 d). */
@@ -183,8 +182,9 @@ static inline __attribute__((always_inline)) void row8_raw(const int fmt, const 
 
 /* acc[r][0 .. 15] += sum_k x[r][k] w[k][0 .. 15] over one block already widened to fp32 (w [32][16]), R <= 6
  * rows: 2R accumulators, and per k two loads of w and R broadcasts for 2R FMAs (an 8 x 8 tile needed nine loads
- * for eight FMAs: the load ports, not the FMA pipes, set its pace). With `raw` the block holds 4-bit quants as
- * pair_x's x meets them (low nibble, whole byte), and the sums are scaled once: acc += d * sum + m * xs[r * nb]. */
+ * for eight FMAs: the load ports, not the FMA pipes, set its pace). With `raw` the block holds its quants as they
+ * are, and the sums are scaled once: acc += d * sum, + m * xs[r * nb] for 4-bit blocks (raw 1: as pair_x's x meets
+ * them, low nibble and whole byte); raw 2 is Q8_0's. */
 static inline __attribute__((always_inline)) void tile16_block(const float *w, const float *x, int64_t ldx,
                                                                const int R, float *acc, const int raw,
                                                                const __m256 *d, const __m256 *m, const float *xs,
@@ -208,7 +208,7 @@ static inline __attribute__((always_inline)) void tile16_block(const float *w, c
         if (raw)
             for (int h = 0; h < 2; h++) {
                 const __m256 before = _mm256_loadu_ps(acc + r * G + h * 8);
-                const __m256 offset = _mm256_fmadd_ps(m[h], _mm256_broadcast_ss(xs + r * nb), before);
+                const __m256 offset = raw == 1 ? _mm256_fmadd_ps(m[h], _mm256_broadcast_ss(xs + r * nb), before) : before;
                 a[r][h] = _mm256_fmadd_ps(d[h], a[r][h], offset);
             }
         _mm256_storeu_ps(acc + r * G, a[r][0]), _mm256_storeu_ps(acc + r * G + 8, a[r][1]);
@@ -219,13 +219,16 @@ static inline __attribute__((always_inline)) void tile16_block(const float *w, c
  * vector per R FMAs however many tiles of 8 rows there are); acc[rows][16]. 4-bit blocks are widened as their
  * quants are, against x as pair_x wrote it (xp, nb * KB a row; xs the block sums): no shift and no dequantizing
  * FMA a weight, the scales applied once a block and row (q4_1 at 8 rows, the built-in model's layers, 2 threads,
- * AVX2 cap on a Zen 5 EPYC: 14.2-15.4 -> 13.4-14.0 ms; at 32 rows, where one widening serves 32, no change). */
+ * AVX2 cap on a Zen 5 EPYC: 14.2-15.4 -> 13.4-14.0 ms; at 32 rows, where one widening serves 32, no change). Q8_0
+ * is widened as its quants are too, and scaled once a block and row. Every format takes this path from 8 rows (it
+ * was 16 for bf16 and Q8_0): at 12 rows, the built-in model's four layer shapes in cache, 2 threads, Sapphire
+ * Rapids under the AVX2 cap, bf16 547-569 -> 494-513 us and Q8_0 576-592 -> 503-504; at 8 rows no change. */
 static inline __attribute__((always_inline)) void group8_blocks_fmt(const int fmt, const uint8_t *blk, int64_t bb,
                                                                     int64_t nb, const float *x, int64_t ldx,
                                                                     int rows, int64_t K, const float *xs,
                                                                     const float *xp, float *acc) {
     float w[KB * G] __attribute__((aligned(32)));
-    const int raw = fmt == Q4_0 || fmt == Q4_1;
+    const int raw = fmt == Q4_0 || fmt == Q4_1 ? 1 : fmt == Q8_0 ? 2 : 0;
     memset(acc, 0, sizeof(float) * rows * G);
     for (int64_t b = 0; b < nb; b++, blk += bb) {
         const int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
@@ -235,27 +238,29 @@ static inline __attribute__((always_inline)) void group8_blocks_fmt(const int fm
             scales8(fmt, blk, h, &d[h], &m[h]);
             for (int k = 0; k < KB; k += 2) {
                 __m256 w0, w1;
-                if (raw)
+                if (raw == 1)
                     pair8(fmt, blk, k, h, &w0, &w1);
+                else if (raw == 2)
+                    raw8(fmt, blk, k, h, &w0, &w1);
                 else
                     widen8(fmt, blk, k, h, d[h], m[h], &w0, &w1);
                 _mm256_store_ps(w + k * G + h * 8, w0), _mm256_store_ps(w + (k + 1) * G + h * 8, w1);
             }
         }
-        if (!raw && kn < KB) /* K ends inside this block: weights past it meet no x (xp's are 0 there) */
+        if (raw != 1 && kn < KB) /* K ends inside this block: weights past it meet no x (xp's are 0 there) */
             memset(w + kn * G, 0, sizeof(float) * (KB - kn) * G);
         const int tiles = (rows + 5) / 6; /* as even as they go: 8 rows are two of 4, not 6 and a slow 2 */
         for (int t = 0, r0 = 0; t < tiles; t++) {
             const int R = (rows - r0) / (tiles - t);
             float tail[6][KB];
-            const float *xb = raw ? xp + r0 * nb * KB + b * KB : x + r0 * ldx + b * KB;
-            int64_t ld = raw ? nb * KB : ldx;
-            if (!raw && kn < KB) { /* and x has no values there to read */
+            const float *xb = raw == 1 ? xp + r0 * nb * KB + b * KB : x + r0 * ldx + b * KB;
+            int64_t ld = raw == 1 ? nb * KB : ldx;
+            if (raw != 1 && kn < KB) { /* and x has no values there to read */
                 memset(tail, 0, sizeof tail);
                 for (int r = 0; r < R; r++) memcpy(tail[r], xb + r * ldx, sizeof(float) * kn);
                 xb = tail[0], ld = KB;
             }
-            const float *xsb = raw ? xs + r0 * nb + b : NULL;
+            const float *xsb = raw == 1 ? xs + r0 * nb + b : NULL;
             switch (R) { /* 4 to 6: this path takes 8 rows or more */
             case 4: tile16_block(w, xb, ld, 4, acc + r0 * G, raw, d, m, xsb, nb); break;
             case 5: tile16_block(w, xb, ld, 5, acc + r0 * G, raw, d, m, xsb, nb); break;
@@ -300,7 +305,7 @@ static void group8(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const fl
         case Q4_0: row8_raw(Q4_0, blk, bb, nb, xp, xs, K, acc); return;
         default: row8_raw(Q4_1, blk, bb, nb, xp, xs, K, acc); return;
         }
-    if (fmt != F32 && (rows >= TILE8_BLOCK_ROWS || (q4 && rows >= 8 && xs && xp))) switch (fmt) {
+    if (fmt != F32 && rows >= TILE8_BLOCK_ROWS && (!q4 || (xs && xp))) switch (fmt) {
         case BF16: group8_blocks_fmt(BF16, blk, bb, nb, x, ldx, rows, K, xs, xp, acc); return;
         case Q8_0: group8_blocks_fmt(Q8_0, blk, bb, nb, x, ldx, rows, K, xs, xp, acc); return;
         case Q4_0: group8_blocks_fmt(Q4_0, blk, bb, nb, x, ldx, rows, K, xs, xp, acc); return;
