@@ -60,6 +60,9 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4, BF16_ROWS = 5 };
 #ifndef PANEL_ROWS
 #define PANEL_ROWS 8 /* from this many rows on, a group is dequantized whole once and tiled over */
 #endif
+#ifndef PANEL8_ROWS
+#define PANEL8_ROWS 32 /* the same for AVX2's tiles (cpu_linear_avx2.h), below which its block tiles are faster */
+#endif
 /* from this many bf16 rows on (Q8_0, 4-bit), vdpbf16ps tiles read each block's bf16 pairs from L1: Q8_0's pairs
  * cost twice the instructions of a nibble lookup, so turning them over once pays from fewer rows */
 #ifndef DP_WIDE_ROWS_Q8
@@ -1108,8 +1111,10 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
     if (bb < 0 || M < 0 || K <= 0 || N <= 0 || ldx < K || ldy < N) return -1;
     if (M == 0) return 0;
     int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G;
-    /* the tiles that need each block's sum of x: all but AVX2's from 2 to 7 rows (tile8 dequantizes) */
-    int minimum = (fmt == Q4_0 || fmt == Q4_1) && (!TILE8 || M == 1 || M >= 8);
+    /* AVX2 from PANEL8_ROWS rows: each group dequantized whole once, and tiled over with plain x */
+    const int panels8 = TILE8 && fmt != F32 && M >= PANEL8_ROWS;
+    /* the tiles that need each block's sum of x: all but AVX2's from 2 to 7 rows (tile8 dequantizes) and panels */
+    int minimum = (fmt == Q4_0 || fmt == Q4_1) && (!TILE8 || M == 1 || M >= 8) && !panels8;
 #if defined(__AVX512BF16__)
     const int dp4 = x_bf16 && minimum; /* 4-bit blocks and bf16 rows: vdpbf16ps, no fp32 panels */
     const int dp8 = x_bf16 && fmt == Q8_0; /* Q8_0 and bf16 rows: vdpbf16ps, which reads x as it is */
@@ -1142,7 +1147,7 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
     }
 #endif
     int64_t tasks = (groups + PAIR - 1) / PAIR;
-    int use_panels = !TILE8 && M >= PANEL_ROWS && !dp4 && !dp8, failed = 0;
+    int use_panels = (TILE8 ? panels8 : M >= PANEL_ROWS) && !dp4 && !dp8, failed = 0;
     uint16_t *xpad = NULL; /* the tile unit's x: rows padded to 16, K to whole blocks, with zeros */
     __attribute__((unused)) const int64_t ldp = nb * KB;
 #if AMX
@@ -1189,7 +1194,11 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
                 for (int64_t i = 0; i < n_g; i++) {
                     int64_t g = g0 + i;
 #if TILE8
-                    group8(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, xsr, xp ? xp + r0 * nb * KB : NULL, acc0);
+                    if (use_panels)
+                        panel_rows8(panels + i * nb * KB * G, K, xr, ldx, rows, acc0);
+                    else
+                        group8(fmt, w + g * nb * bb, bb, nb, xr, ldx, rows, K, xsr, xp ? xp + r0 * nb * KB : NULL,
+                               acc0);
                     store_rows(acc0, rows, N - g * G < G ? (int)(N - g * G) : G, bias, yout, ldy, y_bf16, r0, g * G);
                     continue;
 #endif

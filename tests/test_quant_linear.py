@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels import cpu_isa, quant_linear
 from pdserve.kernels.quant_linear import FORMATS, Blocks, QuantLinear
-from tests.cpu_levels import LEVELS, build_for
+from tests.cpu_levels import LEVELS, build_for, require_built
 
 SHAPES = [  # (rows, out, in): every tile height of 1 to 8 rows, several tiles, more than a 64-row chunk,
     # 9+ and 32+ rows (vdpbf16ps reading each block's pairs from L1)
@@ -37,8 +37,7 @@ def kernels(request, tmp_path_factory):
     build_for(mp, request.param)
     lib = quant_linear.load(tmp_path_factory.mktemp(f"kernels-{request.param}"))
     mp.undo()
-    if lib is None:
-        pytest.skip("no C compiler")
+    require_built(lib, f"cpu_linear.c ({request.param})")
     return lib
 
 
@@ -158,8 +157,7 @@ def test_the_native_build_multiplies_bf16_pairs_where_the_cpu_can(tmp_path, monk
     and AMX tile paths only in one on a CPU with AMX-BF16, so the "native" rows above are what test them."""
     monkeypatch.delenv(cpu_isa.ENV, raising=False)
     lib = quant_linear.load(tmp_path)
-    if lib is None:
-        pytest.skip("no C compiler")
+    require_built(lib, "cpu_linear.c (native)")
     has = cpu_isa.detected() == "avx512" and "avx512_bf16" in cpu_isa.cpu_flags()
     assert lib.bf16_dot == has
     assert lib.tiles == (has and {"amx_tile", "amx_bf16"} <= cpu_isa.cpu_flags())  # the AMX paths, likewise

@@ -15,6 +15,7 @@ from pdserve.engine.weight_format import gguf_linears
 from pdserve.kernels import quant_linear
 from pdserve.kernels.kv_layout import LayoutMismatch
 from pdserve.kernels.quant_linear import QuantLinear
+from tests.cpu_levels import require_built
 
 PROMPTS = [
     [1, 504, 3458, 282, 4649, 314, 253, 1690, 30],
@@ -122,8 +123,7 @@ def test_bf16_runs_the_c_kernel_for_decode_rows_everywhere(tiny_model_dir, tmp_p
     from pdserve.engine import weight_format
 
     kernels = quant_linear.load(tmp_path)
-    if kernels is None:
-        pytest.skip("no C compiler")
+    require_built(kernels, "cpu_linear.c")
     for native, fmt in ((False, "bf16"), (True, "bf16_rows")):
         monkeypatch.setattr(weight_format, "native_bf16_gemm", lambda native=native: native)
         model = load_model(tiny_model_dir, torch.bfloat16)
