@@ -61,7 +61,11 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4, BF16_ROWS = 5 };
 #define PANEL_ROWS 8 /* from this many rows on, a group is dequantized whole once and tiled over */
 #endif
 #ifndef PANEL8_ROWS
-#define PANEL8_ROWS 32 /* the same for AVX2's tiles (cpu_linear_avx2.h), below which its block tiles are faster */
+/* the same for AVX2's tiles (cpu_linear_avx2.h), 4-bit blocks from 32: below, the block tiles are faster (bf16
+ * weights streamed from memory at 32 rows, 2 threads, Sapphire Rapids under the AVX2 cap: blocks 37.7 ms for 212 MB,
+ * panels 41.0; q4_1 the other way, 37.7 and 35.0) */
+#define PANEL8_ROWS 64
+#define PANEL8_ROWS_Q4 32
 #endif
 /* from this many bf16 rows on (Q8_0, 4-bit), vdpbf16ps tiles read each block's bf16 pairs from L1: Q8_0's pairs
  * cost twice the instructions of a nibble lookup, so turning them over once pays from fewer rows */
@@ -1112,7 +1116,7 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
     if (M == 0) return 0;
     int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G;
     /* AVX2 from PANEL8_ROWS rows: each group dequantized whole once, and tiled over with plain x */
-    const int panels8 = TILE8 && fmt != F32 && M >= PANEL8_ROWS;
+    const int panels8 = TILE8 && fmt != F32 && M >= (fmt == Q4_0 || fmt == Q4_1 ? PANEL8_ROWS_Q4 : PANEL8_ROWS);
     /* the tiles that need each block's sum of x: all but AVX2's from 2 to 7 rows (tile8 dequantizes) and panels */
     int minimum = (fmt == Q4_0 || fmt == Q4_1) && (!TILE8 || M == 1 || M >= 8) && !panels8;
 #if defined(__AVX512BF16__)

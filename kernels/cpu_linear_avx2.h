@@ -11,7 +11,7 @@
  * threads, AVX2 cap on an EPYC: 7.1-7.6 -> 5.1-5.8 ms, as fast as MKL's fp32 GEMM on fp32 weights).
  * 4-bit and Q8_0 blocks at one row (row8_raw) and from 8 rows on are not dequantized a weight at a time: x meets
  * the quants as they are (4-bit: in the pairs pair_x writes), and each block's sums are scaled once. From
- * PANEL8_ROWS rows (a prompt) each group is dequantized whole into an fp32 panel once and tiles of 6 rows keep
+ * PANEL8_ROWS rows (PANEL8_ROWS_Q4 for 4-bit blocks; a prompt) each group is dequantized whole into an fp32 panel once and tiles of 6 rows keep
  * their sums in registers over all of K (panel_rows8): at 128 rows, the built-in model's layer shapes, 2 threads,
  * Sapphire Rapids under the AVX2 cap, q4_1 4.91-4.93 -> 4.06 ms, bf16 4.55 -> 4.12, the same as MKL's fp32 GEMM
  * on fp32 weights (4.2-4.3 in the same run), and ahead of dequantizing for it up to 512 rows (16.7 vs 17.7 ms).
