@@ -184,6 +184,21 @@ static inline __attribute__((always_inline)) void row8_raw(const int fmt, const 
     _mm256_storeu_ps(acc, t[0]), _mm256_storeu_ps(acc + 8, t[1]);
 }
 
+/* a[r][h] += sum_{k < K} x[r][k] w[k][h*8 .. h*8+7] for R <= 6 rows, w fp32 [K][16] (32-byte aligned rows): per k two
+ * loads of w and R broadcasts for 2R FMAs. */
+static inline __attribute__((always_inline)) void fma_rows16(const float *w, int64_t K, const float *x, int64_t ldx,
+                                                             const int R, __m256 a[6][2]) {
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 w0 = _mm256_load_ps(w + k * G), w1 = _mm256_load_ps(w + k * G + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 xr = _mm256_broadcast_ss(x + r * ldx + k);
+            a[r][0] = _mm256_fmadd_ps(xr, w0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(xr, w1, a[r][1]);
+        }
+    }
+}
+
 /* acc[r][0 .. 15] += sum_k x[r][k] w[k][0 .. 15] over one block already widened to fp32 (w [32][16]), R <= 6
  * rows: 2R accumulators, and per k two loads of w and R broadcasts for 2R FMAs (an 8 x 8 tile needed nine loads
  * for eight FMAs: the load ports, not the FMA pipes, set its pace). With `raw` the block holds its quants as they
@@ -199,15 +214,7 @@ static inline __attribute__((always_inline)) void tile16_block(const float *w, c
             a[r][0] = a[r][1] = _mm256_setzero_ps();
         else
             a[r][0] = _mm256_loadu_ps(acc + r * G), a[r][1] = _mm256_loadu_ps(acc + r * G + 8);
-#pragma GCC unroll 4
-    for (int k = 0; k < KB; k++) {
-        const __m256 w0 = _mm256_load_ps(w + k * G), w1 = _mm256_load_ps(w + k * G + 8);
-        for (int r = 0; r < R; r++) {
-            const __m256 xr = _mm256_broadcast_ss(x + r * ldx + k);
-            a[r][0] = _mm256_fmadd_ps(xr, w0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(xr, w1, a[r][1]);
-        }
-    }
+    fma_rows16(w, KB, x, ldx, R, a);
     for (int r = 0; r < R; r++) {
         if (raw)
             for (int h = 0; h < 2; h++) {
@@ -282,15 +289,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *p, int
                                                              const int R, float *acc) {
     __m256 a[6][2];
     for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < K; k++) {
-        const __m256 w0 = _mm256_load_ps(p + k * G), w1 = _mm256_load_ps(p + k * G + 8);
-        for (int r = 0; r < R; r++) {
-            const __m256 xr = _mm256_broadcast_ss(x + r * ldx + k);
-            a[r][0] = _mm256_fmadd_ps(xr, w0, a[r][0]);
-            a[r][1] = _mm256_fmadd_ps(xr, w1, a[r][1]);
-        }
-    }
+    fma_rows16(p, K, x, ldx, R, a);
     for (int r = 0; r < R; r++) _mm256_storeu_ps(acc + r * G, a[r][0]), _mm256_storeu_ps(acc + r * G + 8, a[r][1]);
 }
 
