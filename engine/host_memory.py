@@ -145,7 +145,8 @@ def weights_into_huge_pages(model: nn.Module) -> Moved:
             total += (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
     buf, advised = huge_page_buffer(total)
     views: dict[int, torch.Tensor] = {}
-    for table, name, t, key in slots:
+    while slots:  # popped, so each old tensor is freed once moved: the peak is one copy, not two
+        table, name, t, key = slots.pop()
         if key not in views:
             at, n = offsets[key], t.numel() * t.element_size()
             views[key] = buf[at : at + n].view(t.dtype).view(t.shape).copy_(t)
