@@ -133,25 +133,29 @@ def _slots(model: nn.Module) -> Iterable[tuple[dict, str, torch.Tensor, int]]:
 
 
 def weights_into_huge_pages(model: nn.Module) -> Moved:
-    """Copy every parameter and buffer of a CPU model (tied ones once) into one huge-page buffer, in place: the
-    modules hold views of it from then on, and the old storage is freed. Call before anything keeps a pointer to
-    a weight (the fused C layers bind theirs after)."""
+    """Copy every parameter and buffer of a CPU model into one huge-page buffer, in place: the modules hold views of
+    it from then on, and the old storage is freed. Tensors over the same storage (a tied embedding, a packed
+    buffer that is a weight's bytes seen as another dtype and shape) are copied once and stay one storage, each
+    keeping its own dtype and shape. Call before anything keeps a pointer to a weight (the fused C layers bind
+    theirs after)."""
     slots = list(_slots(model))
     offsets: dict[int, int] = {}
     total = 0
     for _, _, t, key in slots:
         if key not in offsets:
             offsets[key] = total
-            total += (t.numel() * t.element_size() + ALIGN - 1) // ALIGN * ALIGN
+            total += (t.untyped_storage().nbytes() + ALIGN - 1) // ALIGN * ALIGN
     buf, advised = huge_page_buffer(total)
-    views: dict[int, torch.Tensor] = {}
+    copied: set[int] = set()
     while slots:  # popped, so each old tensor is freed once moved: the peak is one copy, not two
         table, name, t, key = slots.pop()
-        if key not in views:
-            at, n = offsets[key], t.numel() * t.element_size()
-            views[key] = buf[at : at + n].view(t.dtype).view(t.shape).copy_(t)
+        at = offsets[key]
+        view = buf[at : at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        if key not in copied:
+            view.copy_(t)
+            copied.add(key)
         if isinstance(t, nn.Parameter):
-            t.data = views[key]
+            t.data = view
         else:
-            table[name] = views[key]
-    return Moved(len(views), total, advised, thp_mode())
+            table[name] = view
+    return Moved(len(offsets), total, advised, thp_mode())

@@ -48,6 +48,8 @@ class _Tied(nn.Module):
         self.head.weight = self.embed.weight
         self.register_buffer("table", torch.arange(10, dtype=torch.int64))
         self.register_buffer("part", self.proj.weight.detach()[2:5])  # a view of part of another's storage
+        # the same storage as another dtype and shape (a packed copy that is the weight's own bytes)
+        self.register_buffer("raw", self.embed.weight.detach().view(torch.uint8).view(-1))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.proj(self.embed(ids)))[..., :16]) + self.table[0]
@@ -60,11 +62,15 @@ def test_weights_move_into_one_buffer_with_their_values_ties_and_views():
     before = model(ids)
     part_ptr, embed = model.part.data_ptr(), model.embed.weight
     moved = weights_into_huge_pages(model)
-    assert moved.tensors == 4  # embed (tied to head), proj weight and bias, table: the view stays where it was
+    assert moved.tensors == 4  # embed (tied to head, and raw), proj weight and bias, table: the view stays put
     assert moved.nbytes == 4 * 4096  # each from its own 4 KiB page
     assert torch.equal(model(ids), before)
     assert model.head.weight is model.embed.weight is embed  # the same Parameter, now over the buffer
     assert model.part.data_ptr() == part_ptr
+    assert model.raw.dtype == torch.uint8 and model.raw.shape == (50 * 16 * 4,)
+    assert model.embed.weight.shape == (50, 16) and model.embed.weight.dtype == torch.float32
+    assert model.raw.data_ptr() == model.embed.weight.data_ptr()  # still one storage
+    assert torch.equal(model.raw, model.embed.weight.detach().view(torch.uint8).view(-1))
     addrs = sorted(t.data_ptr() for t in (model.embed.weight, model.proj.weight, model.proj.bias, model.table))
     assert addrs[0] % HUGE_PAGE == 0 and [b - a for a, b in zip(addrs, addrs[1:])] == [4096] * 3
     assert "4 weight tensors" in moved.describe()
