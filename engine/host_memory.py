@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -90,10 +91,7 @@ def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
 
 def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype) on the CPU, in huge pages where the kernel gives them."""
-    n = 1
-    for d in shape:
-        n *= d
-    buf, _ = huge_page_buffer(n * torch.empty((), dtype=dtype).element_size())
+    buf, _ = huge_page_buffer(math.prod(shape) * dtype.itemsize)
     return buf.view(dtype).view(shape).zero_()
 
 

@@ -11,10 +11,11 @@
  * threads, AVX2 cap on an EPYC: 7.1-7.6 -> 5.1-5.8 ms, as fast as MKL's fp32 GEMM on fp32 weights).
  * 4-bit and Q8_0 blocks at one row (row8_raw) and from 8 rows on are not dequantized a weight at a time: x meets
  * the quants as they are (4-bit: in the pairs pair_x writes), and each block's sums are scaled once. From
- * PANEL8_ROWS rows (PANEL8_ROWS_Q4 for 4-bit blocks; a prompt) each group is dequantized whole into an fp32 panel once and tiles of 6 rows keep
- * their sums in registers over all of K (panel_rows8): at 128 rows, the built-in model's layer shapes, 2 threads,
- * Sapphire Rapids under the AVX2 cap, q4_1 4.91-4.93 -> 4.06 ms, bf16 4.55 -> 4.12, the same as MKL's fp32 GEMM
- * on fp32 weights (4.2-4.3 in the same run), and ahead of dequantizing for it up to 512 rows (16.7 vs 17.7 ms).
+ * PANEL8_ROWS rows (PANEL8_ROWS_Q4 for 4-bit blocks; a prompt) each group is dequantized whole into an fp32 panel
+ * once and tiles of 6 rows keep their sums in registers over all of K (panel_rows8): at 128 rows, the built-in
+ * model's layer shapes, 2 threads, Sapphire Rapids under the AVX2 cap, q4_1 4.91-4.93 -> 4.06 ms, bf16 4.55 ->
+ * 4.12, the same as MKL's fp32 GEMM on fp32 weights (4.2-4.3 in the same run), and ahead of dequantizing for it
+ * up to 512 rows (16.7 vs 17.7 ms).
  * Included by cpu_linear.c, which defines the formats, G, KB and PREFETCH. */
 #include <immintrin.h>
 
@@ -219,7 +220,8 @@ static inline __attribute__((always_inline)) void tile16_block(const float *w, c
         if (raw)
             for (int h = 0; h < 2; h++) {
                 const __m256 before = _mm256_loadu_ps(acc + r * G + h * 8);
-                const __m256 offset = raw == 1 ? _mm256_fmadd_ps(m[h], _mm256_broadcast_ss(xs + r * nb), before) : before;
+                const __m256 offset =
+                    raw == 1 ? _mm256_fmadd_ps(m[h], _mm256_broadcast_ss(xs + r * nb), before) : before;
                 a[r][h] = _mm256_fmadd_ps(d[h], a[r][h], offset);
             }
         _mm256_storeu_ps(acc + r * G, a[r][0]), _mm256_storeu_ps(acc + r * G + 8, a[r][1]);
