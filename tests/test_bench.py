@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from pdserve.benchmarks.bench_stats import RequestResult, compute_metrics, format_table, parse_goodput
 from pdserve.benchmarks.load_gen import BenchRequest, LlamaCppTarget, make_requests, parse_sse, run_load
@@ -223,3 +224,15 @@ async def test_bench_openai_backend_against_pdserve_http_api(observed_stack):
     record = await bench(args)
     assert record["completed"] == 4 and record["failed"] == 0
     assert record["total_output_tokens"] == 24
+
+
+@pytest.mark.parametrize("in_cache", [False, True])
+def test_decode_attention_benchmark_divides_by_its_bytes_and_flops(in_cache):
+    from pdserve.benchmarks.decode_attention import measure
+
+    r = measure(2, 20, 4, 2, 32, 2, 16, torch.bfloat16, 0.5, in_cache, 1, limits=(1e10, 1e11))
+    assert r.kv_bytes == 2 * 2 * 20 * 2 * 32 * 2  # K and V, batch 2, context 20, 2 KV heads of 32, bf16
+    assert r.flops == 2 * 2 * 2 * 4 * 20 * 32
+    assert r.us_per_layer > 0
+    assert r.bytes_ratio == pytest.approx(r.us_per_layer * 1e-6 / (r.kv_bytes / 1e10))
+    assert r.flops_ratio == pytest.approx(r.us_per_layer * 1e-6 / (r.flops / 1e11))
