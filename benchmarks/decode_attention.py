@@ -69,9 +69,8 @@ def measure(
     gen = torch.Generator().manual_seed(0)
     per_seq = -(-context // block_size)
     shape = (batch * per_seq, block_size, kv_heads, head_dim)
-    n = 1 if in_cache else layers
     caches = []
-    for _ in range(n):
+    for _ in range(1 if in_cache else layers):
         k, v = zeros_in_huge_pages(shape, dtype), zeros_in_huge_pages(shape, dtype)
         k.copy_(torch.randn(shape, generator=gen)), v.copy_(torch.randn(shape, generator=gen))
         caches.append((k, v))
@@ -83,7 +82,7 @@ def measure(
 
     def one_pass() -> float:
         spent = 0.0
-        for k, v in caches if not in_cache else caches * layers:
+        for k, v in caches * (layers // len(caches)):
             if other is not None:
                 other.sum()
             t = time.perf_counter()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 import sys
@@ -57,6 +58,7 @@ def keep_freed_memory() -> bool:
     return ok
 
 
+@functools.cache  # find_library runs ldconfig: once a process, not once a buffer
 def _madvise() -> Callable[[int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None

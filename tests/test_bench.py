@@ -230,7 +230,20 @@ async def test_bench_openai_backend_against_pdserve_http_api(observed_stack):
 def test_decode_attention_benchmark_divides_by_its_bytes_and_flops(in_cache):
     from pdserve.benchmarks.decode_attention import measure
 
-    r = measure(2, 20, 4, 2, 32, 2, 16, torch.bfloat16, 0.5, in_cache, 1, limits=(1e10, 1e11))
+    r = measure(
+        batch=2,
+        context=20,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        layers=2,
+        block_size=16,
+        dtype=torch.bfloat16,
+        between_mb=0.5,
+        in_cache=in_cache,
+        reps=1,
+        limits=(1e10, 1e11),
+    )
     assert r.kv_bytes == 2 * 2 * 20 * 2 * 32 * 2  # K and V, batch 2, context 20, 2 KV heads of 32, bf16
     assert r.flops == 2 * 2 * 2 * 4 * 20 * 32
     assert r.us_per_layer > 0
