@@ -249,3 +249,13 @@ def test_decode_attention_benchmark_divides_by_its_bytes_and_flops(in_cache):
     assert r.us_per_layer > 0
     assert r.bytes_ratio == pytest.approx(r.us_per_layer * 1e-6 / (r.kv_bytes / 1e10))
     assert r.flops_ratio == pytest.approx(r.us_per_layer * 1e-6 / (r.flops / 1e11))
+
+
+def test_grpc_stream_benchmark_receives_every_paced_message():
+    from pdserve.benchmarks.grpc_stream import measure
+
+    r = measure(streams=3, tokens_per_message=2, steps=5, step_s=0.001)  # raises unless 5 messages on each stream
+    assert (r.messages, r.tokens_per_message) == (15, 2)
+    assert r.server_cpu_s > 0 and r.client_cpu_s > 0 and r.wall_s > 0
+    assert r.per_message_us(r.client_cpu_s) == pytest.approx(r.client_cpu_s / 15 * 1e6)
+    assert r.per_step_us(r.server_cpu_s) == pytest.approx(r.server_cpu_s / 5 * 1e6)
