@@ -17,14 +17,17 @@ import asyncio
 import multiprocessing
 import resource
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any, TypeVar
 
 import grpc
 
 from pdserve.protos import worker_pb2
 
 METHOD = "/pdserve.bench.TokenStream/Tokens"
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,6 +48,15 @@ class Result:
 
     def per_message_us(self, cpu_s: float) -> float:
         return cpu_s / self.messages * 1e6
+
+
+def _run(main: Coroutine[Any, Any, T]) -> T:
+    """Run `main` on uvloop, as the services run, where it is installed; the global loop policy stays as it was."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _cpu() -> float:
@@ -91,9 +103,7 @@ async def _serve(conn: Connection, streams: int, tokens: int, steps: int, step_s
 
 
 def _server_main(conn: Connection, streams: int, tokens: int, steps: int, step_s: float) -> None:
-    import uvloop
-
-    uvloop.run(_serve(conn, streams, tokens, steps, step_s))
+    _run(_serve(conn, streams, tokens, steps, step_s))
 
 
 async def _receive(port: int, streams: int, steps: int) -> tuple[float, float]:
@@ -123,23 +133,23 @@ async def _receive(port: int, streams: int, steps: int) -> tuple[float, float]:
 
 def measure(streams: int, tokens_per_message: int, steps: int, step_s: float) -> Result:
     """One run: a server process sending `streams` paced streams, this process receiving them."""
-    import uvloop
-
     context = multiprocessing.get_context("spawn")  # the child starts its own gRPC runtime
     ours, theirs = context.Pipe()
     server = context.Process(
         target=_server_main, args=(theirs, streams, tokens_per_message, steps, step_s), daemon=True
     )
     server.start()
+    theirs.close()  # the child holds its own end
     try:
         if not ours.poll(120.0):
             raise RuntimeError("the benchmark's gRPC server did not start")
         port = ours.recv()
-        client_cpu, wall = uvloop.run(_receive(port, streams, steps))
+        client_cpu, wall = _run(_receive(port, streams, steps))
         if not ours.poll(60.0):
             raise RuntimeError("the benchmark's gRPC server did not report")
         server_cpu = ours.recv()
     finally:
+        ours.close()
         server.join(10.0)
         if server.is_alive():
             server.kill()
