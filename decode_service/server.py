@@ -134,6 +134,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 stream_id,
                 deadline,
                 request.num_prompt_tokens or None,
+                prefill_may_refuse=request.prefill_may_refuse,
             ):
                 msg = _response(events, params.logprobs is not None)
                 if first:

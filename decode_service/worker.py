@@ -156,12 +156,14 @@ class DecodeWorker:
         stream_id: str = "",
         deadline: float | None = None,
         num_prompt_tokens: int | None = None,
+        prefill_may_refuse: bool = False,
     ) -> AsyncIterator[list[TokenEvent]]:
         """Stream a request's tokens, in lists of what is ready (more than one when the reader lags). Without a
         `prefill_address` (or colocated) the prompt is prefilled here. Leaving the iterator early (cancel, error)
         frees everything the request held; `finish(stream_id, reason)` ends it early as a normal finish.
         `deadline` (time.monotonic()) tells a deadline from a cancellation. `num_prompt_tokens` below
-        `len(prompt_ids)`: the rest were generated elsewhere (a moved stream) and count as output here."""
+        `len(prompt_ids)`: the rest were generated elsewhere (a moved stream) and count as output here.
+        `prefill_may_refuse`: the caller could prefill the prompt elsewhere, so a busy prefill worker may refuse it."""
         if self._closing:
             raise WorkerClosing(f"{self.role} worker is shutting down")
         self.check(prompt_ids, params, num_prompt_tokens)
@@ -179,7 +181,7 @@ class DecodeWorker:
                     await self.loop.reserve(seq)
             with watch.first_token():
                 if remote:
-                    events = [await self._prefill_remotely(req, remote)]
+                    events = [await self._prefill_remotely(req, remote, prefill_may_refuse)]
                 else:
                     self.local_prefills_total += 1
                     self.loop.submit(seq, req.events.put_nowait)
@@ -246,7 +248,7 @@ class DecodeWorker:
             req.events.put_nowait(HandedBack("draining: the stream is handed back to be moved"))
         return len(self._streams)
 
-    async def _prefill_remotely(self, req: _Request, address: str) -> TokenEvent:
+    async def _prefill_remotely(self, req: _Request, address: str, may_refuse: bool) -> TokenEvent:
         """Have the prefill worker at `address` compute every token of req's sequence into its reserved blocks,
         then run the sequence here from its first sampled token."""
         assert self.receiver is not None and self.call_prefill is not None
@@ -263,9 +265,10 @@ class DecodeWorker:
             self.core.layout.fingerprint,
             transfer_id,
             secret,
-            # the prefill worker refuses what it cannot start before this: a refusal, not an expiry, so the
-            # gateway retries elsewhere at once and the prompt is computed only once
+            # with somewhere else to go, the prefill worker refuses what it cannot start before this: a refusal,
+            # not an expiry, so the gateway retries elsewhere at once and the prompt is computed only once
             start_within=START_WITHIN * self.receiver.timeout,
+            may_refuse=may_refuse,
         )
         call = asyncio.ensure_future(self.call_prefill(address, job))
         try:

@@ -278,6 +278,13 @@ class EngineCore:
             preemptions_total=self.num_preemptions,
         )
 
+    def pending_chunks(self) -> list[tuple[int, int]]:
+        """(tokens still to compute, tokens already computed) of every sequence waiting or running a prompt: what a
+        backlog estimate needs. Safe from another thread, like `stats`."""
+        sched = self.scheduler
+        seqs = list(sched.waiting) + list(sched.running)
+        return [(n, s.num_computed_tokens) for s in seqs if (n := len(s.token_ids) - s.num_computed_tokens) > 0]
+
     @property
     def num_awaiting_kv(self) -> int:
         """Sequences whose KV another process is computing for this engine now."""

@@ -77,6 +77,7 @@ class PrefillJob:
     transfer_id: str
     transfer_secret: str
     start_within: float = 0.0  # seconds until the decode worker expires the transfer unless KV arrives (0: never)
+    may_refuse: bool = False  # the caller can send it elsewhere: refuse it rather than start it too late
 
 
 @dataclass
@@ -100,6 +101,7 @@ def job_to_proto(job: PrefillJob) -> worker_pb2.PrefillRequest:
             secret=job.transfer_secret,
         ),
         start_within_s=job.start_within,
+        may_refuse=job.may_refuse,
     )
 
 
@@ -115,6 +117,7 @@ def job_from_proto(msg: worker_pb2.PrefillRequest) -> PrefillJob:
         t.transfer_id,
         t.secret,
         msg.start_within_s,
+        msg.may_refuse,
     )
 
 

@@ -32,6 +32,7 @@ from pdserve.kvtransfer.registered import open_plane
 from pdserve.kvtransfer.sender import KVSender
 from pdserve.prefill_service.metrics import PrefillMetrics
 from pdserve.prefill_service.observe import JobWatch, PrefillObserver
+from pdserve.prefill_service.prefill_time import PrefillTime
 from pdserve.wire import PrefillJob, PrefillResult
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,13 @@ class PrefillWorker:
         self._jobs: dict[Sequence, _Job] = {}
         self._finishing: set[asyncio.Future] = set()
         self._closing = False
-        self.tokens_per_second = 0.0  # prefill rate of recent steps (moving average): what a backlog will take
+        mc = self.core.model_config
+        layer_params = mc.hidden_size * (2 * mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
+        layer_params += 3 * mc.hidden_size * mc.intermediate_size
+        self.prefill_time = PrefillTime(
+            token_flops=2.0 * (mc.num_layers * layer_params + mc.vocab_size * mc.hidden_size),
+            max_step_tokens=cfg.max_num_batched_tokens,
+        )
         self._watchers: set[asyncio.Queue[CacheEvent | None]] = set()
         self._unsubscribe = self.core.subscribe_cache(self._publish)
 
@@ -130,12 +137,15 @@ class PrefillWorker:
         stats = self.core.stats()
         if stats.waiting >= self.max_queued:
             raise QueueFull(f"{stats.waiting} prompts already waiting")
-        backlog = stats.queued_tokens + stats.prefilling_tokens
-        if job.start_within > 0 and self.tokens_per_second > 0 and backlog / self.tokens_per_second > job.start_within:
-            raise QueueFull(
-                f"a backlog of {backlog} tokens (~{backlog / self.tokens_per_second:.0f}s) would start this prompt "
-                f"after its KV transfer expires ({job.start_within:.0f}s)"
-            )
+        if job.may_refuse and job.start_within > 0:
+            # a refusal is a routing hint: only when the caller has somewhere else to send the prompt
+            pending = self.core.pending_chunks()
+            wait = self.prefill_time.backlog_seconds(pending)
+            if wait > job.start_within:
+                raise QueueFull(
+                    f"a backlog of {sum(n for n, _ in pending)} tokens (~{wait:.0f}s at this worker's measured "
+                    f"step cost) would start this prompt after its KV transfer expires ({job.start_within:.0f}s)"
+                )
         if not self.sender.connected(job.kv_address):
             with self.observer.connecting(job.kv_address):
                 await self.sender.connect(job.kv_address)
@@ -191,9 +201,8 @@ class PrefillWorker:
 
     def _on_step(self, batch: ScheduledBatch, seconds: float) -> None:
         self.observer.step(batch, seconds, self._watch_of)
-        if batch.num_tokens and seconds > 0:
-            rate = batch.num_tokens / seconds
-            self.tokens_per_second = rate if not self.tokens_per_second else 0.8 * self.tokens_per_second + 0.2 * rate
+        chunks = [(n, seq.num_computed_tokens - n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        self.prefill_time.observe(chunks, seconds)
 
     def _expire(self, entry: _Job) -> None:
         """A prompt still queued when its decode worker is about to expire the transfer is dropped, not computed."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.protos import common_pb2 as pdserve_dot_protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/protos/worker.proto\x12\npdserve.v1\x1a\x1bpdserve/protos/common.proto\"\x9f\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\"\xb1\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x11\n\tstream_id\x18\x05 \x01(\t\"L\n\rFinishRequest\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"\"\n\x0e\x46inishResponse\x12\x10\n\x08\x66inished\x18\x01 \x01(\x08\"b\n\x08KVTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x0e\n\x06secret\x18\x05 \x01(\tJ\x04\x08\x02\x10\x03\"\xc1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x16\n\x0estart_within_s\x18\x06 \x01(\x02\"\x88\x01\n\x0fTransferFigures\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06layers\x18\x03 \x01(\r\x12\x0e\n\x06\x62locks\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x0c\n\x04path\x18\x06 \x01(\t\x12\x14\n\x0ctail_seconds\x18\x07 \x01(\x01\"\xad\x01\n\x0fPrefillResponse\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12-\n\x08transfer\x18\x05 \x01(\x0b\x32\x1b.pdserve.v1.TransferFigures\"\x13\n\x11WatchCacheRequest\"S\n\nCacheEvent\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x06\x12\x0f\n\x07removed\x18\x03 \x03(\x06\x12\x12\n\nblock_size\x18\x04 \x01(\r\"\x0e\n\x0cStatsRequest\"\xbb\x03\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\n \x01(\x04\x12\x16\n\x0erequests_total\x18\x0b \x01(\x04\x12\x12\n\nkv_address\x18\x0c \x01(\t\x12\x15\n\rmax_model_len\x18\r \x01(\r\x12\x19\n\x11pending_transfers\x18\x0e \x01(\r\x12\x19\n\x11preemptions_total\x18\x0f \x01(\x04\x12\x1c\n\x14local_prefills_total\x18\x10 \x01(\x04\x12\x1d\n\x15remote_prefills_total\x18\x11 \x01(\x04\x12\x15\n\rqueued_tokens\x18\x12 \x01(\x04\x12 \n\x18local_prefill_max_tokens\x18\x13 \x01(\rJ\x04\x08\t\x10\n2\xd2\x01\n\rDecodeService\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12?\n\x06\x46inish\x12\x19.pdserve.v1.FinishRequest\x1a\x1a.pdserve.v1.FinishResponse\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\xda\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x45\n\nWatchCache\x12\x1d.pdserve.v1.WatchCacheRequest\x1a\x16.pdserve.v1.CacheEvent0\x01\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/protos/worker.proto\x12\npdserve.v1\x1a\x1bpdserve/protos/common.proto\"\xbb\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x1a\n\x12prefill_may_refuse\x18\x06 \x01(\x08\"\xb1\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12\x11\n\tstream_id\x18\x05 \x01(\t\"L\n\rFinishRequest\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12(\n\x06reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\"\"\n\x0e\x46inishResponse\x12\x10\n\x08\x66inished\x18\x01 \x01(\x08\"b\n\x08KVTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x0e\n\x06secret\x18\x05 \x01(\tJ\x04\x08\x02\x10\x03\"\xd5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\'\n\tkv_target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x16\n\x0estart_within_s\x18\x06 \x01(\x02\x12\x12\n\nmay_refuse\x18\x07 \x01(\x08\"\x88\x01\n\x0fTransferFigures\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x0e\n\x06layers\x18\x03 \x01(\r\x12\x0e\n\x06\x62locks\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x0c\n\x04path\x18\x06 \x01(\t\x12\x14\n\x0ctail_seconds\x18\x07 \x01(\x01\"\xad\x01\n\x0fPrefillResponse\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12-\n\x08transfer\x18\x05 \x01(\x0b\x32\x1b.pdserve.v1.TransferFigures\"\x13\n\x11WatchCacheRequest\"S\n\nCacheEvent\x12\x10\n\x08snapshot\x18\x01 \x01(\x08\x12\x0e\n\x06stored\x18\x02 \x03(\x06\x12\x0f\n\x07removed\x18\x03 \x03(\x06\x12\x12\n\nblock_size\x18\x04 \x01(\r\"\x0e\n\x0cStatsRequest\"\xbb\x03\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x19\n\x11prefix_hit_tokens\x18\n \x01(\x04\x12\x16\n\x0erequests_total\x18\x0b \x01(\x04\x12\x12\n\nkv_address\x18\x0c \x01(\t\x12\x15\n\rmax_model_len\x18\r \x01(\r\x12\x19\n\x11pending_transfers\x18\x0e \x01(\r\x12\x19\n\x11preemptions_total\x18\x0f \x01(\x04\x12\x1c\n\x14local_prefills_total\x18\x10 \x01(\x04\x12\x1d\n\x15remote_prefills_total\x18\x11 \x01(\x04\x12\x15\n\rqueued_tokens\x18\x12 \x01(\x04\x12 \n\x18local_prefill_max_tokens\x18\x13 \x01(\rJ\x04\x08\t\x10\n2\xd2\x01\n\rDecodeService\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12?\n\x06\x46inish\x12\x19.pdserve.v1.FinishRequest\x1a\x1a.pdserve.v1.FinishResponse\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\xda\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x45\n\nWatchCache\x12\x1d.pdserve.v1.WatchCacheRequest\x1a\x16.pdserve.v1.CacheEvent0\x01\x12=\n\x08GetStats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.protos.worker_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=73
-  _globals['_DECODEREQUEST']._serialized_end=232
-  _globals['_DECODERESPONSE']._serialized_start=235
-  _globals['_DECODERESPONSE']._serialized_end=412
-  _globals['_FINISHREQUEST']._serialized_start=414
-  _globals['_FINISHREQUEST']._serialized_end=490
-  _globals['_FINISHRESPONSE']._serialized_start=492
-  _globals['_FINISHRESPONSE']._serialized_end=526
-  _globals['_KVTARGET']._serialized_start=528
-  _globals['_KVTARGET']._serialized_end=626
-  _globals['_PREFILLREQUEST']._serialized_start=629
-  _globals['_PREFILLREQUEST']._serialized_end=822
-  _globals['_TRANSFERFIGURES']._serialized_start=825
-  _globals['_TRANSFERFIGURES']._serialized_end=961
-  _globals['_PREFILLRESPONSE']._serialized_start=964
-  _globals['_PREFILLRESPONSE']._serialized_end=1137
-  _globals['_WATCHCACHEREQUEST']._serialized_start=1139
-  _globals['_WATCHCACHEREQUEST']._serialized_end=1158
-  _globals['_CACHEEVENT']._serialized_start=1160
-  _globals['_CACHEEVENT']._serialized_end=1243
-  _globals['_STATSREQUEST']._serialized_start=1245
-  _globals['_STATSREQUEST']._serialized_end=1259
-  _globals['_WORKERSTATS']._serialized_start=1262
-  _globals['_WORKERSTATS']._serialized_end=1705
-  _globals['_DECODESERVICE']._serialized_start=1708
-  _globals['_DECODESERVICE']._serialized_end=1918
-  _globals['_PREFILLSERVICE']._serialized_start=1921
-  _globals['_PREFILLSERVICE']._serialized_end=2139
+  _globals['_DECODEREQUEST']._serialized_end=260
+  _globals['_DECODERESPONSE']._serialized_start=263
+  _globals['_DECODERESPONSE']._serialized_end=440
+  _globals['_FINISHREQUEST']._serialized_start=442
+  _globals['_FINISHREQUEST']._serialized_end=518
+  _globals['_FINISHRESPONSE']._serialized_start=520
+  _globals['_FINISHRESPONSE']._serialized_end=554
+  _globals['_KVTARGET']._serialized_start=556
+  _globals['_KVTARGET']._serialized_end=654
+  _globals['_PREFILLREQUEST']._serialized_start=657
+  _globals['_PREFILLREQUEST']._serialized_end=870
+  _globals['_TRANSFERFIGURES']._serialized_start=873
+  _globals['_TRANSFERFIGURES']._serialized_end=1009
+  _globals['_PREFILLRESPONSE']._serialized_start=1012
+  _globals['_PREFILLRESPONSE']._serialized_end=1185
+  _globals['_WATCHCACHEREQUEST']._serialized_start=1187
+  _globals['_WATCHCACHEREQUEST']._serialized_end=1206
+  _globals['_CACHEEVENT']._serialized_start=1208
+  _globals['_CACHEEVENT']._serialized_end=1291
+  _globals['_STATSREQUEST']._serialized_start=1293
+  _globals['_STATSREQUEST']._serialized_end=1307
+  _globals['_WORKERSTATS']._serialized_start=1310
+  _globals['_WORKERSTATS']._serialized_end=1753
+  _globals['_DECODESERVICE']._serialized_start=1756
+  _globals['_DECODESERVICE']._serialized_end=1966
+  _globals['_PREFILLSERVICE']._serialized_start=1969
+  _globals['_PREFILLSERVICE']._serialized_end=2187
 # @@protoc_insertion_point(module_scope)

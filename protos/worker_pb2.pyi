@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "num_prompt_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "prefill_address", "num_prompt_tokens", "prefill_may_refuse")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MAY_REFUSE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     prefill_address: str
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    prefill_may_refuse: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., prefill_may_refuse: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_prompt_tokens", "stream_id")
@@ -62,20 +64,22 @@ class KVTarget(_message.Message):
     def __init__(self, address: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "kv_target", "start_within_s")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "kv_target", "start_within_s", "may_refuse")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
     START_WITHIN_S_FIELD_NUMBER: _ClassVar[int]
+    MAY_REFUSE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
     sampling: _common_pb2.SamplingParams
     kv_target: KVTarget
     start_within_s: float
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., start_within_s: _Optional[float] = ...) -> None: ...
+    may_refuse: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., start_within_s: _Optional[float] = ..., may_refuse: _Optional[bool] = ...) -> None: ...
 
 class TransferFigures(_message.Message):
     __slots__ = ("bytes", "seconds", "layers", "blocks", "transport", "path", "tail_seconds")

@@ -357,8 +357,9 @@ def test_metrics_stay_on_this_host_when_the_api_is_secured():
 
 
 async def test_a_prefill_worker_refuses_a_prompt_its_backlog_would_start_too_late(tiny_model_dir, monkeypatch):
-    """Queued tokens over the measured prefill rate past the decode worker's start_within: RESOURCE_EXHAUSTED at
-    once (the gateway retries elsewhere), before any KV connection is made; within it, the job goes ahead."""
+    """A backlog whose predicted time (the worker's fitted step cost) passes the decode worker's start_within, for
+    a caller with somewhere else to go (may_refuse): RESOURCE_EXHAUSTED at once (the gateway retries elsewhere),
+    before any KV connection is made. Within it, or for a caller with no alternative, the job goes ahead."""
     import dataclasses
 
     from pdserve.engine.config import EngineConfig
@@ -370,9 +371,8 @@ async def test_a_prefill_worker_refuses_a_prompt_its_backlog_would_start_too_lat
     worker = PrefillWorker(EngineConfig(model=str(tiny_model_dir), num_blocks=64, block_size=4), transport="tcp")
     await worker.start()
     try:
-        real = worker.core.stats
-        monkeypatch.setattr(worker.core, "stats", lambda: dataclasses.replace(real(), queued_tokens=1000))
-        worker.tokens_per_second = 10.0  # a backlog of ~100 s
+        monkeypatch.setattr(worker.core, "pending_chunks", lambda: [(500, 0), (500, 0)])
+        worker.prefill_time.coef = (0.01, 0.1, 0.0)  # 0.1 s a token: a backlog of ~100 s
         job = PrefillJob(
             "r",
             [5, 6, 7],
@@ -383,13 +383,18 @@ async def test_a_prefill_worker_refuses_a_prompt_its_backlog_would_start_too_lat
             "t",
             "s",
             start_within=45.0,
+            may_refuse=True,
         )
         with pytest.raises(QueueFull) as e:
             await worker.prefill(job)
         assert status_of(e.value) == grpc.StatusCode.RESOURCE_EXHAUSTED and "backlog of 1000 tokens" in str(e.value)
-        worker.tokens_per_second = 1000.0  # ~1 s: it goes ahead (and fails only on the KV target, which is a hole)
+        # no alternative: it queues (and fails only on the KV target, which is a hole)
         with pytest.raises(Exception) as e:
-            await asyncio.wait_for(worker.prefill(dataclasses.replace(job, transfer_id="t2")), 30)
+            await asyncio.wait_for(worker.prefill(dataclasses.replace(job, transfer_id="t2", may_refuse=False)), 30)
+        assert not isinstance(e.value, QueueFull)
+        worker.prefill_time.coef = (0.01, 1e-3, 0.0)  # ~1 s: it goes ahead
+        with pytest.raises(Exception) as e:
+            await asyncio.wait_for(worker.prefill(dataclasses.replace(job, transfer_id="t3")), 30)
         assert not isinstance(e.value, QueueFull)
     finally:
         await worker.stop()
