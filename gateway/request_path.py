@@ -24,7 +24,7 @@ from pdserve.engine.sampling_params import InvalidParameter
 from pdserve.failure import FAILED_ADDRESS, FAILED_PARTY, HANDED_BACK, INVALID_PARAMETER
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.observe import RequestWatch
-from pdserve.gateway.router import NoWorkerAvailable, RouteLease, Router, WorkerHandle
+from pdserve.gateway.router import NoWorkerAvailable, RouteLease, Router, WorkerHandle, WorkerKey
 from pdserve.gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.protos import common_pb2, worker_pb2
@@ -100,6 +100,7 @@ class RequestPath:
         max_prompt_bytes: int = 1 << 20,
         migration_limit: int = 3,
         migration_max_tokens: int = 32768,
+        worker_wait: float = 10.0,
         tracer: trace.Tracer | None = None,
         metrics: GatewayMetrics | None = None,
     ) -> None:
@@ -109,6 +110,7 @@ class RequestPath:
         self.max_attempts = max_attempts
         self.migration_limit = migration_limit
         self.migration_max_tokens = migration_max_tokens
+        self.worker_wait = worker_wait  # seconds a request waits for a healthy worker before it fails
         self.max_prompt_bytes = max_prompt_bytes
         self.tracer = tracer or trace.NoOpTracer()
         self.metrics = metrics or GatewayMetrics()
@@ -197,17 +199,12 @@ class RequestPath:
             span.set_attribute("pdserve.prompt_tokens", len(prompt_ids))
         out.prompt_tokens = len(prompt_ids)
         run = _Run(req, prompt_ids, IncrementalDetokenizer(self.tokenizer.hf), StopStringMatcher(req.stop))
-        tried: set[str] = set()
+        tried: set[WorkerKey] = set()  # the runs of workers that failed this request (a restarted one may serve it)
         retries = 0
         moved: _Retry | None = None  # the failure a migration is under way for
         while True:
             with self.tracer.start_as_current_span("gateway.route") as span:
-                try:
-                    lease = self.router.pick(tried, run.token_ids)
-                except NoWorkerAvailable as e:
-                    if moved is not None:
-                        raise self._not_moved(moved, run, f"{e} to move it to") from None
-                    raise run.last_error or RequestError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+                lease = await self._pick(tried, run, moved)
                 decode, prefill = lease.decode, lease.prefill
                 span.set_attributes(
                     {
@@ -228,11 +225,12 @@ class RequestPath:
             out.routed(decode.address, prefill.address if prefill else "")
             try:
                 with lease:
-                    async for delta in self._stream(run, lease, out):
+                    may_refuse = self.router.has_alternative(lease, tried, run.token_ids)
+                    async for delta in self._stream(run, lease, out, may_refuse):
                         yield delta
                 return
             except _Retry as retry:
-                tried.add(retry.culprit)
+                tried.add(self.router.key(retry.culprit))
                 run.last_error = retry.error
                 moved = None
                 if run.generated:  # tokens were streamed: the rest comes from another decode worker, or nothing
@@ -246,6 +244,24 @@ class RequestPath:
                 if retries >= self.max_attempts:
                     raise retry.error from None
                 log.warning("request %s: %s; retrying elsewhere", req.request_id, retry.error.message)
+
+    async def _pick(self, tried: set[WorkerKey], run: _Run, moved: _Retry | None) -> RouteLease:
+        """Workers for the next attempt; with none healthy now (down, restarting, or all tried), wait up to
+        `worker_wait` seconds for one before failing UNAVAILABLE (or with the error that ended the last try)."""
+        for waited in (False, True):
+            try:
+                return self.router.pick(tried, run.token_ids)
+            except NoWorkerAvailable as e:
+                if (
+                    waited
+                    or self.worker_wait <= 0
+                    or not await self.router.wait_for(tried, run.token_ids, self.worker_wait)
+                ):
+                    why = f"{e} within {self.worker_wait:g}s"
+                    if moved is not None:
+                        raise self._not_moved(moved, run, f"{why} to move it to") from None
+                    raise run.last_error or RequestError(grpc.StatusCode.UNAVAILABLE, why) from None
+        raise AssertionError("unreachable")
 
     def _not_moved(self, retry: _Retry, run: _Run, why: str = "") -> RequestError:
         """The error a request ends with when its stream broke and it cannot move (again)."""
@@ -262,9 +278,10 @@ class RequestPath:
         tried = ", ".join(dict.fromkeys(run.moves or [retry.culprit]))
         return RequestError(retry.error.code, f"{retry.error.message}; not moved: {why} (workers tried: {tried})")
 
-    async def _stream(self, run: _Run, lease: RouteLease, out: RequestWatch) -> AsyncIterator[Delta]:
+    async def _stream(self, run: _Run, lease: RouteLease, out: RequestWatch, may_refuse: bool) -> AsyncIterator[Delta]:
         """One decode stream: the prompt, plus (after a migration) the tokens other workers generated, which
-        the worker counts as output, so max_tokens, penalties and seeded draws carry on where they stopped."""
+        the worker counts as output, so max_tokens, penalties and seeded draws carry on where they stopped.
+        `may_refuse`: the prompt has somewhere else to go should its prefill worker be too busy to start it."""
         req, usage, detok, matcher = run.req, run.usage, run.detok, run.matcher
         decode, prefill = lease.decode, lease.prefill
         timeout = None if req.deadline is None else max(0.0, req.deadline - time.monotonic())
@@ -275,6 +292,7 @@ class RequestPath:
                 sampling=req.sampling,
                 prefill_address=prefill.address if prefill else "",
                 num_prompt_tokens=len(run.prompt_ids) if run.generated else 0,
+                prefill_may_refuse=may_refuse,
             ),
             timeout=timeout,
         )

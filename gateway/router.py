@@ -18,7 +18,10 @@ length with no prefill worker, and prefills them itself, while its own prefill b
 
 A worker whose call fails with UNAVAILABLE, or whose poll is refused, is treated as down until a poll succeeds
 again; one that only answers its polls late (a busy worker under load) stays routable until it misses
-MAX_MISSES in a row, each with a longer deadline than the last.
+MAX_MISSES in a row, each with a longer deadline than the last. Each time a worker comes (back) up its `epoch`
+grows: a request that excluded a worker (it failed or handed the stream back) may use it again once it restarted.
+A request that finds no worker waits (`wait_for`) a bounded time, probing the workers that are down at once and
+then every WAIT_PROBE_S, so a worker that comes back is admitted by its first good answer.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ log = logging.getLogger(__name__)
 
 class NoWorkerAvailable(RuntimeError):
     pass
+
+
+WorkerKey = tuple[str, int]  # (address, epoch): one run of one worker
 
 
 class RouteLease:
@@ -105,6 +111,11 @@ class WorkerHandle:
     expected: dict[int, float] = field(default_factory=dict)  # hashes of prompts routed here -> when (not reported yet)
     watcher: asyncio.Task | None = None
     routed: int = 0  # requests routed here (prefill: remote prefills; decode: all)
+    epoch: int = 0  # times it came (back) up: a restarted worker is a new one to requests that excluded it
+
+    @property
+    def key(self) -> WorkerKey:
+        return (self.address, self.epoch)
 
     @property
     def decode_score(self) -> tuple:
@@ -154,6 +165,7 @@ class Router:
     """
 
     MAX_MISSES = 3  # polls in a row a worker may time out on before it is taken for down (refusals count at once)
+    WAIT_PROBE_S = 0.1  # between probes of the workers that are down while a request waits for one
 
     def __init__(
         self,
@@ -189,6 +201,7 @@ class Router:
         self.decode = [] if discover else [self._handle(a, "decode") for a in decode]
         self._leaving: set[str] = set()
         self._poller: asyncio.Task | None = None
+        self._probe: asyncio.Future | None = None  # the probe of down workers in flight, shared by every waiter
 
     def _handle(self, address: str, role: str) -> WorkerHandle:
         channel = open_channel(address, self.tls, self.interceptors)
@@ -206,7 +219,7 @@ class Router:
             self._watch(w)
 
     async def close(self) -> None:
-        tasks = [t for t in [self._poller, *(w.watcher for w in self.prefill)] if t is not None]
+        tasks = [t for t in [self._poller, self._probe, *(w.watcher for w in self.prefill)] if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -313,6 +326,7 @@ class Router:
                 w.polled(stats, mine)
                 if not w.healthy:
                     log.info("%s worker %s is up", w.role, w.address)
+                    w.epoch += 1
                 w.healthy, w.misses = True, 0
             except grpc.aio.AioRpcError as e:
                 slow = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -352,22 +366,31 @@ class Router:
         """No prefill workers configured: the decode workers prefill themselves."""
         return not self._names["prefill"]
 
-    def pick(self, exclude: Set[str] = frozenset(), prompt: Sequence[int] = ()) -> RouteLease:
+    def key(self, address: str) -> WorkerKey:
+        """The current run of the worker at `address` (epoch 0 for one this router does not know)."""
+        return next((w.key for w in self.workers if w.address == address), (address, 0))
+
+    def _usable(self, workers: list[WorkerHandle], exclude: Set[str] | Set[WorkerKey]) -> list[WorkerHandle]:
+        return [w for w in workers if w.healthy and w.address not in exclude and w.key not in exclude]
+
+    def pick(self, exclude: Set[str] | Set[WorkerKey] = frozenset(), prompt: Sequence[int] = ()) -> RouteLease:
         """A lease on a decode worker and the prefill worker for `prompt` (None: the decode worker prefills it
-        itself, colocated or by conditional disaggregation); hold it for as long as the request runs."""
-        decode_ok = [w for w in self.decode if w.healthy and w.address not in exclude]
+        itself, colocated or by conditional disaggregation); hold it for as long as the request runs. `exclude`
+        names workers by address (every run) or by `key` (that run only: once it restarts, it is usable)."""
+        decode_ok = self._usable(self.decode, exclude)
         if not decode_ok:
             raise NoWorkerAvailable("no healthy decode worker")
         decode = min(decode_ok, key=lambda w: w.decode_score)
         limit = decode.stats.local_prefill_max_tokens
         if self.colocated:
             return RouteLease(decode, None, 0)
-        prefill_ok = [w for w in self.prefill if w.healthy and w.address not in exclude]
+        prefill_ok = self._usable(self.prefill, exclude)
         if prompt and 0 < len(prompt) <= limit:
             # local while the decode worker's own prefill backlog is short, or shorter than every prefill
-            # worker's: a burst of short prompts is shared between the two instead of queueing at one
+            # worker's (a burst of short prompts is shared between the two instead of queueing at one), or when
+            # no prefill worker can take it
             remote = min((w.queued_tokens for w in prefill_ok), default=0)
-            if decode.queued_tokens < max(4 * limit, remote):
+            if not prefill_ok or decode.queued_tokens < max(4 * limit, remote):
                 self.local_prefills += 1
                 return RouteLease(decode, None, len(prompt))  # a burst sees its own backlog, not the last poll's
         if not prefill_ok:
@@ -392,6 +415,40 @@ class Router:
             )
         prefill.expect(hashes, now)  # it will hold them once it has run the prompt
         return RouteLease(decode, prefill, uncached)
+
+    def has_alternative(self, lease: RouteLease, exclude: Set[WorkerKey], prompt: Sequence[int]) -> bool:
+        """Whether the prompt of `lease` could be prefilled elsewhere if its prefill worker refused it: another
+        healthy prefill worker, or the decode worker itself (a prompt within its local prefill limit)."""
+        if lease.prefill is None:
+            return False
+        others = [w for w in self._usable(self.prefill, exclude) if w is not lease.prefill]
+        return bool(others) or 0 < len(prompt) <= lease.decode.stats.local_prefill_max_tokens
+
+    def routable(self, exclude: Set[WorkerKey], prompt: Sequence[int]) -> bool:
+        try:
+            self.pick(exclude, prompt).release()
+        except NoWorkerAvailable:
+            return False
+        return True
+
+    async def wait_for(self, exclude: Set[WorkerKey], prompt: Sequence[int], timeout: float) -> bool:
+        """Until `pick(exclude, prompt)` would find workers (True), or `timeout` seconds passed (False): the
+        workers that are down are probed now and then every WAIT_PROBE_S, one probe shared by every waiter. With
+        every worker up (those it excludes are merely busy or refusing), there is nothing to wait for: False."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while not self.routable(exclude, prompt):
+            left = end - loop.time()
+            if left <= 0 or all(w.healthy for w in self.workers):
+                return False
+            if self._probe is None or self._probe.done():
+                self._probe = asyncio.ensure_future(self.poll(only_down=True))
+            try:
+                await asyncio.wait_for(asyncio.shield(self._probe), left)
+            except TimeoutError:
+                return self.routable(exclude, prompt)
+            await asyncio.sleep(min(self.WAIT_PROBE_S, max(0.0, end - loop.time())))
+        return True
 
     def mark_down(self, address: str) -> None:
         for w in self.workers:

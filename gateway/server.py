@@ -111,6 +111,7 @@ async def serve(
     http_limits: HTTPLimits | None = None,
     migration_limit: int = 3,
     migration_max_tokens: int = 32768,
+    worker_wait: float = 10.0,
 ) -> tuple[RunningServer, Router, RequestPath, HTTPServer | None]:
     """Bind the public ports first (a busy port fails at once), wait for workers, then say SERVING. With
     `http_port` >= 0 the OpenAI-compatible HTTP API is served too, on the same request path."""
@@ -134,6 +135,7 @@ async def serve(
         max_prompt_bytes=max_prompt_bytes,
         migration_limit=migration_limit,
         migration_max_tokens=migration_max_tokens,
+        worker_wait=worker_wait,
         tracer=tracing.tracer,
         metrics=metrics,
     )

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from pdserve.gateway.router import NoWorkerAvailable, RouteLease, Router, WorkerHandle
-from pdserve.protos import worker_pb2
+from pdserve.protos import worker_pb2, worker_pb2_grpc
 from tests.stack import free_port
 
 
@@ -271,3 +271,102 @@ async def test_a_decode_worker_allows_a_new_prefill_pod_as_soon_as_dns_has_it(mo
     assert not await clients.allows("10.0.0.3:50061")
     assert await clients.allows("10.0.0.1:50061") and len(looked_up) == 3  # hits need no lookup
     await clients.close()
+
+
+class _Stats(worker_pb2_grpc.DecodeServiceServicer):
+    """A decode worker as far as the router's polls see it: it answers GetStats."""
+
+    async def GetStats(self, request, context):
+        return worker_pb2.WorkerStats(role="decode", kv_blocks_total=100)
+
+
+async def _answering(port: int) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_DecodeServiceServicer_to_server(_Stats(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server
+
+
+async def test_a_restarted_worker_is_usable_again_by_a_request_that_excluded_it():
+    """A request excludes the run of a worker that failed it (address, epoch); the same address coming back up
+    after being down is a new run, which the request may use."""
+    port = free_port()
+    router = Router([], [f"127.0.0.1:{port}"])
+    server = await _answering(port)
+    try:
+        await router.poll()
+        (d,) = router.decode
+        assert d.healthy and d.epoch == 1
+        tried = {router.key(d.address)}
+        with pytest.raises(NoWorkerAvailable):
+            router.pick(tried)
+        await router.poll()  # still the same run
+        with pytest.raises(NoWorkerAvailable):
+            router.pick(tried)
+        await server.stop(None)
+        await router.poll()
+        assert not d.healthy
+        server = await _answering(port)
+        for _ in range(100):  # the channel reconnects after its backoff (at most 1 s)
+            await router.poll(only_down=True)
+            if d.healthy:
+                break
+            await asyncio.sleep(0.1)
+        assert d.healthy and d.epoch == 2 and router.pick(tried).decode is d
+        assert router.key("127.0.0.1:1") == ("127.0.0.1:1", 0)
+    finally:
+        await server.stop(None)
+        await router.close()
+
+
+async def test_a_request_waits_for_a_worker_that_comes_up_and_not_for_one_that_is_only_excluded():
+    port = free_port()
+    router = Router([], [f"127.0.0.1:{port}"], poll_interval=60.0)  # no regular poll would see it in time
+    server = None
+    try:
+        await router.poll()
+        waiting = asyncio.ensure_future(router.wait_for(set(), [], 60.0))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        server = await _answering(port)
+        assert await asyncio.wait_for(waiting, 30.0)  # admitted by its first good answer to the waiter's probe
+        assert router.pick().decode.address == f"127.0.0.1:{port}"
+        # every worker is up, and this request excludes them all: nothing to wait for
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        assert not await router.wait_for({router.decode[0].key}, [], 60.0)
+        assert loop.time() - start < 30.0
+        await server.stop(None)
+        server = None
+        await router.poll()
+        assert not await router.wait_for(set(), [], 0.3)  # bounded: nobody comes
+    finally:
+        if server is not None:
+            await server.stop(None)
+        await router.close()
+
+
+async def test_a_prompt_has_an_alternative_only_where_another_worker_could_prefill_it():
+    prefill = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    router = Router(prefill, [f"127.0.0.1:{free_port()}"])
+    try:
+        for w in router.workers:
+            w.healthy = True
+            w.stats = worker_pb2.WorkerStats(kv_blocks_total=100, block_size=16)
+        d = router.decode[0]
+        lease = router.pick(prompt=list(range(300)))
+        p = lease.prefill
+        assert p is not None and router.has_alternative(lease, set(), list(range(300)))
+        other = next(w for w in router.prefill if w is not p)
+        assert not router.has_alternative(lease, {other.key}, list(range(300)))  # the other one failed it already
+        other.healthy = False
+        assert not router.has_alternative(lease, set(), list(range(300)))
+        d.stats.local_prefill_max_tokens = 512  # the decode worker can prefill it itself
+        assert router.has_alternative(lease, set(), list(range(300)))
+        lease.release()
+        # no prefill worker left for a prompt the decode worker may prefill: it does, whatever its queue
+        d.inflight_tokens = 10_000
+        assert router.pick({p.key}, list(range(300))).prefill is None
+    finally:
+        await router.close()

@@ -342,6 +342,12 @@ class MigrationOptions:
         "a stream moves only while its prompt plus the tokens generated so far, all prefilled again, fit this",
         parse=parse_count,
     )
+    worker_wait: float = option(
+        10.0,
+        "seconds a request, or a stream handed back or broken, waits for a healthy worker (one restarting, "
+        "one not yet answering) before it fails UNAVAILABLE; 0: fail at once",
+        parse=parse_seconds,
+    )
 
 
 @dataclass

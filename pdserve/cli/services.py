@@ -408,6 +408,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
             overlap_weight=args.overlap_weight,
             migration_limit=args.migration_limit,
             migration_max_tokens=args.migration_max_tokens,
+            worker_wait=args.worker_wait,
         )
         metrics = _metrics_server(args, gateway_metrics.registry, tls is not None or bool(args.api_key))
         print(
