@@ -7,7 +7,7 @@ TORCH_INDEX ?=
 TORCH := torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 STAMP := .make/installed
 
-.PHONY: install run test test-fast bench protos
+.PHONY: install run test test-fast test-busy bench protos
 
 # Installs once, and again only when the dependencies change.
 install: $(STAMP)
@@ -26,6 +26,11 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -m "not slow"
+
+# the stack tests with two CPU hogs spinning on the same cores (tests/hogs.py)
+test-busy: install
+	PDSERVE_TEST_HOGS=2 $(PY) -m pytest tests/test_pipeline.py tests/test_migration.py tests/test_faults.py \
+		tests/test_hardening.py tests/test_under_load.py
 
 bench: install
 	$(PIP) install -q -e '.[bench]'

@@ -19,6 +19,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# the stack tests `make test-busy` runs beside CPU hogs (PDSERVE_TEST_HOGS=N); test_under_load has its own
+BUSY_MODULES = {"test_pipeline", "test_migration", "test_faults", "test_hardening"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _busy_machine(request):
+    """With PDSERVE_TEST_HOGS=N, N processes spin on this run's cores for as long as a stack test module runs."""
+    from tests.hogs import cpu_hogs, hogs_requested
+
+    count = hogs_requested()
+    if not count or request.module.__name__.rsplit(".", 1)[-1] not in BUSY_MODULES:
+        yield
+        return
+    with cpu_hogs(count, seconds=3600.0):
+        yield
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     from pdserve.engine.model_store import resolve_model
