@@ -70,8 +70,9 @@ def test_idle_workers_without_peers_use_almost_no_cpu():
 
 @pytest.fixture(scope="module")
 def pair():
-    """One prefill and one decode worker (every prompt prefilled remotely) and a gateway."""
-    stack = start_stack()
+    """One prefill and one decode worker (every prompt prefilled remotely) and a gateway that waits long enough
+    for a decode worker restarting on a busy machine."""
+    stack = start_stack(gateway_extra=["--worker-wait", str(BOUND_S)])
     try:
         yield stack
     finally:
@@ -112,6 +113,22 @@ async def test_a_burst_to_one_prefill_worker_completes_while_hogs_share_the_core
         v for (name, labels), v in scrape(pair.metrics["gateway"]).items() if name == "pdserve_gateway_retries_total"
     )
     assert refused == 0
+
+
+async def test_a_request_that_arrives_while_the_only_decode_worker_restarts_waits_for_it(pair: Stack):
+    """No decode worker is up when the request comes: it waits (--worker-wait) instead of failing, and is served
+    by the worker once it is back, whether or not the gateway's own poll has seen it yet."""
+    address = pair.decode[0]
+    proc = _proc(pair, address)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(120) == 0
+    async with Client(pair.gateway) as client:
+        call = asyncio.ensure_future(client.complete(prompt="The sea is", max_tokens=4, timeout=BOUND_S))
+        await asyncio.sleep(1.0)
+        assert not call.done()  # waiting, not failed
+        await asyncio.to_thread(_restart, pair, address)
+        result = await call
+    assert result.completion_tokens == 4
 
 
 @pytest.fixture(scope="module")
