@@ -54,6 +54,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
 
+    @property
+    def linear_params(self) -> int:
+        """Weights a token multiplies through: every layer's projections plus the LM head (2 FLOPs each)."""
+        attention = self.hidden_size * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attention + mlp) + self.vocab_size * self.hidden_size
+
     @classmethod
     def from_hf(cls, config: dict, name: str = "model") -> ModelConfig:
         arch = (config.get("architectures") or ["LlamaForCausalLM"])[0]

@@ -248,20 +248,19 @@ class RequestPath:
     async def _pick(self, tried: set[WorkerKey], run: _Run, moved: _Retry | None) -> RouteLease:
         """Workers for the next attempt; with none healthy now (down, restarting, or all tried), wait up to
         `worker_wait` seconds for one before failing UNAVAILABLE (or with the error that ended the last try)."""
-        for waited in (False, True):
+        try:
+            return self.router.pick(tried, run.token_ids)
+        except NoWorkerAvailable as e:
+            error = e
+        if self.worker_wait > 0 and await self.router.wait_for(tried, run.token_ids, self.worker_wait):
             try:
                 return self.router.pick(tried, run.token_ids)
-            except NoWorkerAvailable as e:
-                if (
-                    waited
-                    or self.worker_wait <= 0
-                    or not await self.router.wait_for(tried, run.token_ids, self.worker_wait)
-                ):
-                    why = f"{e} within {self.worker_wait:g}s"
-                    if moved is not None:
-                        raise self._not_moved(moved, run, f"{why} to move it to") from None
-                    raise run.last_error or RequestError(grpc.StatusCode.UNAVAILABLE, why) from None
-        raise AssertionError("unreachable")
+            except NoWorkerAvailable as e:  # taken again in the moment since
+                error = e
+        why = f"{error} within {self.worker_wait:g}s"
+        if moved is not None:
+            raise self._not_moved(moved, run, f"{why} to move it to") from None
+        raise run.last_error or RequestError(grpc.StatusCode.UNAVAILABLE, why) from None
 
     def _not_moved(self, retry: _Retry, run: _Run, why: str = "") -> RequestError:
         """The error a request ends with when its stream broke and it cannot move (again)."""

@@ -373,17 +373,18 @@ class Router:
     def _usable(self, workers: list[WorkerHandle], exclude: Set[str] | Set[WorkerKey]) -> list[WorkerHandle]:
         return [w for w in workers if w.healthy and w.address not in exclude and w.key not in exclude]
 
-    def pick(self, exclude: Set[str] | Set[WorkerKey] = frozenset(), prompt: Sequence[int] = ()) -> RouteLease:
-        """A lease on a decode worker and the prefill worker for `prompt` (None: the decode worker prefills it
-        itself, colocated or by conditional disaggregation); hold it for as long as the request runs. `exclude`
-        names workers by address (every run) or by `key` (that run only: once it restarts, it is usable)."""
+    def _candidates(
+        self, exclude: Set[str] | Set[WorkerKey], prompt: Sequence[int]
+    ) -> tuple[WorkerHandle, list[WorkerHandle]]:
+        """The decode worker for the next request, and the prefill workers to choose from (none: the decode
+        worker prefills the prompt itself); NoWorkerAvailable when there are none. No lease, no index touched."""
         decode_ok = self._usable(self.decode, exclude)
         if not decode_ok:
             raise NoWorkerAvailable("no healthy decode worker")
         decode = min(decode_ok, key=lambda w: w.decode_score)
-        limit = decode.stats.local_prefill_max_tokens
         if self.colocated:
-            return RouteLease(decode, None, 0)
+            return decode, []
+        limit = decode.stats.local_prefill_max_tokens
         prefill_ok = self._usable(self.prefill, exclude)
         if prompt and 0 < len(prompt) <= limit:
             # local while the decode worker's own prefill backlog is short, or shorter than every prefill
@@ -391,10 +392,21 @@ class Router:
             # no prefill worker can take it
             remote = min((w.queued_tokens for w in prefill_ok), default=0)
             if not prefill_ok or decode.queued_tokens < max(4 * limit, remote):
-                self.local_prefills += 1
-                return RouteLease(decode, None, len(prompt))  # a burst sees its own backlog, not the last poll's
+                return decode, []
         if not prefill_ok:
             raise NoWorkerAvailable("no healthy prefill worker")
+        return decode, prefill_ok
+
+    def pick(self, exclude: Set[str] | Set[WorkerKey] = frozenset(), prompt: Sequence[int] = ()) -> RouteLease:
+        """A lease on a decode worker and the prefill worker for `prompt` (None: the decode worker prefills it
+        itself, colocated or by conditional disaggregation); hold it for as long as the request runs. `exclude`
+        names workers by address (every run) or by `key` (that run only: once it restarts, it is usable)."""
+        decode, prefill_ok = self._candidates(exclude, prompt)
+        if not prefill_ok:
+            if self.colocated:
+                return RouteLease(decode, None, 0)
+            self.local_prefills += 1
+            return RouteLease(decode, None, len(prompt))  # a burst sees its own backlog, not the last poll's
         block_size = max(prefill_ok[0].stats.block_size, 1)
         hashes = prefix_hashes(prompt, block_size) if self.kv_aware and prompt else []
         now = asyncio.get_running_loop().time()
@@ -425,8 +437,9 @@ class Router:
         return bool(others) or 0 < len(prompt) <= lease.decode.stats.local_prefill_max_tokens
 
     def routable(self, exclude: Set[WorkerKey], prompt: Sequence[int]) -> bool:
+        """Whether `pick(exclude, prompt)` would find workers now."""
         try:
-            self.pick(exclude, prompt).release()
+            self._candidates(exclude, prompt)
         except NoWorkerAvailable:
             return False
         return True
@@ -439,7 +452,7 @@ class Router:
         end = loop.time() + timeout
         while not self.routable(exclude, prompt):
             left = end - loop.time()
-            if left <= 0 or all(w.healthy for w in self.workers):
+            if left <= 0 or all(w.healthy or w.address in self._leaving for w in self.workers):
                 return False
             if self._probe is None or self._probe.done():
                 self._probe = asyncio.ensure_future(self.poll(only_down=True))

@@ -48,14 +48,24 @@ class PrefillTime:
     _prior_a: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
     _prior_b: np.ndarray = field(default_factory=lambda: np.zeros(3))
     steps: int = 0
-    coef: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    _coef: tuple[float, float, float] | None = None  # solved when asked for, not on every step
 
     def __post_init__(self) -> None:
         prior = np.array([PRIOR_FIXED_S, self.token_flops / PRIOR_FLOPS, 0.0])
         for n in PRIOR_SHAPES:
             x = features([(n, 0)])
             self._add(self._prior_a, self._prior_b, x, float(x @ prior), PRIOR_STEPS / len(PRIOR_SHAPES))
-        self.coef = self._solve()
+
+    @property
+    def coef(self) -> tuple[float, float, float]:
+        """(fixed s, s per token, s per attention pair) as fitted so far."""
+        if self._coef is None:
+            self._coef = self._solve()
+        return self._coef
+
+    @coef.setter
+    def coef(self, value: tuple[float, float, float]) -> None:
+        self._coef = value
 
     @staticmethod
     def _add(a: np.ndarray, b: np.ndarray, x: np.ndarray, seconds: float, weight: float) -> None:
@@ -72,7 +82,7 @@ class PrefillTime:
         self._b *= DECAY
         self._add(self._a, self._b, x, seconds, 1.0)
         self.steps += 1
-        self.coef = self._solve()
+        self._coef = None
 
     def _solve(self) -> tuple[float, float, float]:
         """Non-negative least squares over three coefficients: the best of every subset's unconstrained fit that

@@ -76,13 +76,7 @@ class PrefillWorker:
         self._jobs: dict[Sequence, _Job] = {}
         self._finishing: set[asyncio.Future] = set()
         self._closing = False
-        mc = self.core.model_config
-        layer_params = mc.hidden_size * (2 * mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
-        layer_params += 3 * mc.hidden_size * mc.intermediate_size
-        self.prefill_time = PrefillTime(
-            token_flops=2.0 * (mc.num_layers * layer_params + mc.vocab_size * mc.hidden_size),
-            max_step_tokens=cfg.max_num_batched_tokens,
-        )
+        self.prefill_time = PrefillTime(2.0 * self.core.model_config.linear_params, cfg.max_num_batched_tokens)
         self._watchers: set[asyncio.Queue[CacheEvent | None]] = set()
         self._unsubscribe = self.core.subscribe_cache(self._publish)
 

@@ -1,7 +1,7 @@
 """CPU hogs: processes that spin on the cores the tests run on, so behaviour is checked on a busy machine too.
 
 They inherit this process's CPU affinity, so they share exactly the cores the services get. Each one exits by itself
-after `seconds` even if the test that started it dies; `stop` ends them at once.
+after `seconds` even if the test that started it dies; leaving `cpu_hogs` ends them at once.
 """
 
 from __future__ import annotations

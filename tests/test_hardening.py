@@ -20,6 +20,7 @@ import pytest
 
 from pdserve.client import Client
 from pdserve.protos import generation_pb2
+from tests.hogs import cpu_seconds
 from tests.stack import channel, scrape, start_stack
 
 pytestmark = pytest.mark.slow
@@ -85,11 +86,6 @@ def _sockets(pid: int) -> dict[str, tuple[str, int, str]]:
     return out
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _kv_port(stack) -> int:
     return int(stack.stats(stack.decode[0], "decode").kv_address.rsplit(":", 1)[1])
 
@@ -132,9 +128,9 @@ def test_junk_and_a_flood_on_the_kv_port_leave_nothing_behind(stack):
             break
         assert time.monotonic() < deadline, f"still open on the KV port: {left}; fds {fds_before} -> {fds}"
         time.sleep(0.5)
-    cpu = _cpu_seconds(pid)
+    cpu = cpu_seconds(pid)
     time.sleep(3)
-    assert _cpu_seconds(pid) - cpu < 1.5, "the idle decode worker burns CPU after junk on its KV port"
+    assert cpu_seconds(pid) - cpu < 1.5, "the idle decode worker burns CPU after junk on its KV port"
     text, _ = _generate(stack)
     assert text
 
