@@ -19,34 +19,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# modules that start services as processes: under pytest-xdist (`-n 2 --dist loadgroup`, pyproject.toml) they run
-# one at a time, on one worker, while the other worker takes the in-process tests. Two stacks at once on 2 cores
-# would be two stacks each starved by the other; one stack beside unit tests is what a busy machine is anyway.
-STACK_MODULES = {
-    "test_cli",
-    "test_colocated",
-    "test_compose",
-    "test_faults",
-    "test_gpu_check",
-    "test_hardening",
-    "test_migration",
-    "test_observability",
-    "test_openai_api",
-    "test_pipeline",
-    "test_planner",  # its goodput check runs stacks and compares their speed with a profile
-    "test_reliability",
-    "test_router",
-    "test_routing",
-    "test_under_load",
-}
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        if item.module.__name__.rsplit(".", 1)[-1] in STACK_MODULES:
-            item.add_marker(pytest.mark.xdist_group("stack"))
-
-
 # the stack tests `make test-busy` runs beside CPU hogs (PDSERVE_TEST_HOGS=N); test_under_load has its own
 BUSY_MODULES = {"test_pipeline", "test_migration", "test_faults", "test_hardening"}
 
