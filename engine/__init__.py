@@ -16,13 +16,14 @@ from typing import Any
 _HOMES = {
     "EngineConfig": "config",
     "SamplingParams": "sampling_params",
-    "InvalidParameter": "sampling_params",
+    "InvalidParameter": "errors",
     "EngineCore": "engine_core",
     "EngineStats": "engine_core",
     "StepOutput": "engine_core",
     "EngineLoop": "engine_loop",
-    "EngineStopped": "engine_loop",
-    "PoolExhausted": "scheduler",
+    "EngineStopped": "errors",
+    "PoolExhausted": "errors",
+    "SamplingError": "errors",
     "Sequence": "sequence",
 }
 __all__ = sorted(_HOMES)

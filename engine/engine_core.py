@@ -22,11 +22,11 @@ import torch
 
 from pdserve.engine.block_allocator import BlockAllocator, CacheListener
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.errors import SamplingError
 from pdserve.engine.model import LlamaForCausalLM
 from pdserve.engine.model_runner import LayerHook, ModelRunner
 from pdserve.engine.request_check import check_request
-from pdserve.engine.sampler import SampleOutput, SamplingError
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SampleOutput, SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.kernels.kv_layout import KVLayout

@@ -20,18 +20,15 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from pdserve.engine.engine_core import EngineCore, StepOutput
+from pdserve.engine.errors import EngineStopped, SamplingError
 from pdserve.engine.model_runner import LayerHook
-from pdserve.engine.sampler import SampleOutput, SamplingError
+from pdserve.engine.sampling_params import SampleOutput
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
 Sink = Callable[[StepOutput | BaseException], None]
-
-
-class EngineStopped(RuntimeError):
-    """The engine loop is not running (it died, or the worker is stopping)."""
 
 
 LayerHooks = Callable[[ScheduledBatch], LayerHook | None]

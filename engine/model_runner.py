@@ -14,11 +14,13 @@ import torch
 from pdserve.engine import weight_format
 from pdserve.engine.attention import AttentionMetadata, select_backend
 from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
+from pdserve.engine.errors import SamplingError
 from pdserve.engine.host_memory import keep_freed_memory, weights_into_huge_pages, zeros_in_huge_pages
 from pdserve.engine.kv_cache import plan_kv_cache
 from pdserve.engine.model import LlamaForCausalLM, load_model
 from pdserve.engine.model_store import cache_dir, gguf_source, resolve_model
-from pdserve.engine.sampler import SampleOutput, Sampler, SamplingError
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SampleOutput
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.kernels import cpu_decoder_layer, cpu_elementwise, cpu_isa, quant_linear
 from pdserve.kernels.kv_layout import KVLayout

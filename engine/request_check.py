@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.engine.sampling_params import InvalidParameter, SamplingParams
+from pdserve.engine.errors import InvalidParameter
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def check_request(

@@ -11,22 +11,11 @@ as in vLLM. A row whose logits are not finite fails alone (`SamplingError` in it
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
-
-
-class SamplingError(ValueError):
-    """This row's distribution could not be sampled (non-finite logits)."""
-
-
-@dataclass
-class SampleOutput:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+from pdserve.engine.errors import SamplingError
+from pdserve.engine.sampling_params import SampleOutput, SamplingParams
 
 
 def apply_penalties(

@@ -1,16 +1,11 @@
-"""Per-request sampling parameters, validated with messages that name the parameter."""
+"""Per-request sampling parameters, validated with messages that name the parameter, and what one draw returns
+(plain data, no torch: the gateway checks parameters by these rules and the wire carries samples)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-class InvalidParameter(ValueError):
-    """A request parameter is out of range; `param` names it (the API reports it to the caller)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+from pdserve.engine.errors import InvalidParameter
 
 
 @dataclass
@@ -82,3 +77,10 @@ class SamplingParams:
                     "logit_bias", f"logit_bias keys must be token ids in [0, {vocab_size}), got {token}"
                 )
         return self
+
+
+@dataclass
+class SampleOutput:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_allocator import BlockAllocator, NoFreeBlocks
+from pdserve.engine.errors import PoolExhausted
 from pdserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -45,10 +46,6 @@ class ScheduledBatch:
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its last known token this step (and so samples the next one)."""
         return self.sampling[i]
-
-
-class PoolExhausted(RuntimeError):
-    """No KV blocks to reserve now, and the queue of reservations waiting for them is full."""
 
 
 class Scheduler:

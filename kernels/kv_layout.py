@@ -16,8 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class LayoutMismatch(ValueError):
@@ -47,11 +49,13 @@ class KVLayout:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch  # here, not at import: the failure table (and so the gateway) names LayoutMismatch
+
         return getattr(torch, self.dtype)
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     @property
     def page_nbytes(self) -> int:
@@ -80,6 +84,8 @@ class KVLayout:
         return replace(self, num_blocks=num_blocks)
 
     def allocate(self, device: str | torch.device | None = None) -> torch.Tensor:
+        import torch
+
         return torch.zeros(self.shape, dtype=self.torch_dtype, device=device or self.device)
 
     def compatibility_fields(self) -> dict:

@@ -179,7 +179,7 @@ def test_check_counts_the_tokens_already_generated(tiny_model_dir):
     engine = _engine(tiny_model_dir, num_blocks=256, block_size=4)
     params = SamplingParams(max_tokens=8, temperature=0.0)
     engine.check(list(range(3, 20)), params, num_prompt_tokens=10)  # 7 generated, 1 to go
-    from pdserve.engine.sampling_params import InvalidParameter
+    from pdserve.engine.errors import InvalidParameter
 
     with pytest.raises(InvalidParameter, match="nothing is left of max_tokens") as err:
         engine.check(list(range(3, 20)), params, num_prompt_tokens=9)  # 8 generated: done already

@@ -8,7 +8,8 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.engine_loop import EngineLoop, EngineStopped
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.errors import EngineStopped
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 

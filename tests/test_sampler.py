@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.sampler import SampleOutput, Sampler, SamplingError, apply_penalties, candidate_mask
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.errors import SamplingError
+from pdserve.engine.sampler import Sampler, apply_penalties, candidate_mask
+from pdserve.engine.sampling_params import SampleOutput, SamplingParams
 
 
 def _logits_for(probs: list[float]) -> torch.Tensor:
