@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
 SLO_KEYS = ("ttft", "tpot", "e2el")
 
 
@@ -62,6 +60,8 @@ class BenchMetrics:
 
 def summarize(values_s: list[float], percentiles: list[float]) -> Summary:
     """Mean/median/std/percentiles in milliseconds (numpy's linear interpolation, as vLLM)."""
+    import numpy as np  # here: `pdserve --help` and every service's start-up import this module's callers
+
     ms = np.asarray(values_s, dtype=np.float64) * 1000.0
     if ms.size == 0:
         return Summary(0.0, 0.0, 0.0, {_pname(p): 0.0 for p in percentiles})

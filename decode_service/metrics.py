@@ -7,40 +7,29 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.engine.engine_core import EngineStats
-from pdserve.metrics_server import BATCH_BUCKETS, E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
+from pdserve.metric_families import LatencyMetrics, TransferMetrics, request_counter
+from pdserve.metrics_server import BATCH_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 
 
 class DecodeMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "pdserve_decode_requests", "Finished Decode requests by outcome.", ["status"], registry=r
-        )
-        self.requests.labels("ok")  # present from the start, so rates begin at zero
+        self.requests = request_counter("decode", "Finished Decode requests by outcome.", r)
         self.queue_time = Histogram(
             "pdserve_decode_queue_time_seconds",
             "Arrival until KV blocks were reserved.",
             buckets=TTFT_BUCKETS,
             registry=r,
         )
-        self.ttft = Histogram(
-            "pdserve_decode_time_to_first_token_seconds",
-            "Arrival until the first token (prefill + KV transfer) was streamed.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "pdserve_decode_inter_token_latency_seconds",
-            "Gap between a sequence's tokens.",
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "pdserve_decode_e2e_request_latency_seconds",
-            "Arrival until the last token.",
-            buckets=E2E_BUCKETS,
-            registry=r,
+        self.latency = LatencyMetrics(
+            "decode",
+            (
+                "Arrival until the first token (prefill + KV transfer) was streamed.",
+                "Gap between a sequence's tokens.",
+                "Arrival until the last token.",
+            ),
+            r,
         )
         self.step_time = Histogram(
             "pdserve_decode_step_seconds", "One continuous-batching forward + sample.", buckets=ITL_BUCKETS, registry=r
@@ -50,27 +39,7 @@ class DecodeMetrics:
         )
         self.generation_tokens = Counter("pdserve_decode_generation_tokens", "Tokens generated.", registry=r)
         self.preemptions = Counter("pdserve_decode_preemptions", "Sequences preempted and recomputed.", registry=r)
-        self.transfer_bytes = Counter(
-            "pdserve_kv_transfer_received_bytes", "KV bytes received from prefill.", registry=r
-        )
-        self.transfer_seconds = Histogram(
-            "pdserve_kv_transfer_receive_seconds",
-            "First to last KV byte of one request.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.transfers = Counter(
-            "pdserve_kv_transfers_received",
-            "Landed KV transfers, by the path their blocks took (one-sided, staged, tcp).",
-            ["path"],
-            registry=r,
-        )
-        self.transfer_tail_seconds = Histogram(
-            "pdserve_kv_transfer_receive_tail_seconds",
-            "Last layer announced until it landed: what the transfer adds to TTFT.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
+        self.transfer = TransferMetrics(sent=False, registry=r)
         self.running = Gauge("pdserve_decode_requests_running", "Sequences in the running batch.", registry=r)
         self.waiting = Gauge("pdserve_decode_requests_waiting", "Requests waiting for blocks or prefill.", registry=r)
         self.kv_blocks = Gauge("pdserve_decode_kv_blocks", "KV blocks by state.", ["state"], registry=r)

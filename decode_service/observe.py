@@ -6,7 +6,6 @@ loop (a step, a landed transfer); everything observability needs to remember liv
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -15,24 +14,15 @@ from collections.abc import Iterator
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from pdserve.deadline import deadline_passed
 from pdserve.decode_service.metrics import DecodeMetrics
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
+from pdserve.failures import outcome
 from pdserve.kvtransfer.stats import TransferStats
 from pdserve.logs import REQUEST_LOGGER, log_request
 from pdserve.tracing import extract, trace_id
 
 request_log = logging.getLogger(REQUEST_LOGGER)
-
-
-def outcome(error: BaseException | None, deadline: float | None) -> str:
-    """The status label of a request that ended with `error` (None: it finished)."""
-    if error is None:
-        return "ok"
-    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        return "deadline_exceeded" if deadline_passed(deadline) else "cancelled"
-    return "error"
 
 
 class RequestWatch:
@@ -77,12 +67,12 @@ class RequestWatch:
         now = time.perf_counter() - self.t0
         if self.ttft is None:
             self.ttft = now
-            m.ttft.observe(now)
+            m.latency.ttft.observe(now)
             self._stream = self.observer.tracer.start_span("decode.stream", context=self.context)
         else:
-            m.itl.observe(now - self.last)
+            m.latency.itl.observe(now - self.last)
             for _ in range(n - 1):
-                m.itl.observe(0.0)
+                m.latency.itl.observe(0.0)
         self.last = now
         m.generation_tokens.inc(n)
 
@@ -91,7 +81,7 @@ class RequestWatch:
         status = outcome(error, deadline)
         e2e = time.perf_counter() - self.t0
         if status == "ok":
-            m.e2e.observe(e2e)
+            m.latency.e2e.observe(e2e)
         m.requests.labels(status).inc()
         if self._stream is not None:
             self._stream.set_attributes(
@@ -133,10 +123,7 @@ class DecodeObserver:
 
     def transferred(self, stats: TransferStats) -> None:
         """Count a landed transfer and record it as a span under the sender's `kv.transfer` span."""
-        self.metrics.transfer_bytes.inc(stats.nbytes)
-        self.metrics.transfer_seconds.observe(stats.seconds)
-        self.metrics.transfer_tail_seconds.observe(stats.tail_seconds)
-        self.metrics.transfers.labels(stats.path).inc()
+        self.metrics.transfer.record(stats)
         start = int(stats.started_at * 1e9)
         span = self.tracer.start_span(
             "kv.receive",

@@ -7,24 +7,22 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from pdserve.config import DecodeConfig
 from pdserve.decode_service.observe import DecodeObserver
 from pdserve.decode_service.worker import DecodeWorker, TokenEvent
-from pdserve.discovery import resolve_ipv4
+from pdserve.discovery import resolve_ipv4, routable
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import InvalidParameter
-from pdserve.errors import HandedBack, PrefillNotAllowed, status_of
-from pdserve.failure import HANDED_BACK, failure_metadata
+from pdserve.failures import PrefillNotAllowed, abort, pass_on
+from pdserve.finish_reason import from_proto, to_proto
 from pdserve.grpc_server import RunningServer, open_channel, start_server
-from pdserve.kvtransfer.errors import TransferError
 from pdserve.protos import worker_pb2, worker_pb2_grpc
 from pdserve.security import TLSConfig
 from pdserve.tracing import Tracing
 from pdserve.wire import (
-    FINISH_REASONS,
     PrefillJob,
     PrefillResult,
     job_to_proto,
@@ -98,7 +96,7 @@ class PrefillClients:
 def _response(events: list[TokenEvent], with_logprobs: bool) -> worker_pb2.DecodeResponse:
     msg = worker_pb2.DecodeResponse(
         token_ids=[e.sample.token_id for e in events],
-        finish_reason=FINISH_REASONS[events[-1].finish_reason],
+        finish_reason=to_proto(events[-1].finish_reason),
         cached_prompt_tokens=events[0].cached_prompt_tokens,
     )
     if with_logprobs:
@@ -112,7 +110,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         self.address = address  # how the gateway names this worker, for the failure metadata
         self.prefill = prefill
 
-    async def Decode(self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
+    async def Decode(
+        self, request: worker_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.DecodeResponse]:
         rid = request.request_id or uuid.uuid4().hex
         params = sampling_from_proto(request.sampling)
         stream_id = secrets.token_hex(12)
@@ -123,8 +123,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
         try:
             if prefill and self.prefill is not None and not await self.prefill.allows(prefill):
                 raise PrefillNotAllowed(
-                    f"decode worker {self.address} does not dial prefill worker {prefill}: not among those it was "
-                    "started with (--prefill)"
+                    f"does not dial prefill worker {prefill}: not among those it was started with (--prefill)"
                 )
             async for events in self.worker.generate(
                 rid,
@@ -140,72 +139,48 @@ class DecodeServicer(worker_pb2_grpc.DecodeServiceServicer):
                 if first:
                     msg.stream_id, first = stream_id, False
                 yield msg
-        except grpc.aio.AioRpcError as e:
-            # the prefill worker's status, passed on (UNAVAILABLE lets the gateway retry elsewhere)
-            await context.abort(
-                e.code(), f"prefill worker {prefill}: {e.details()}", failure_metadata("prefill", prefill)
-            )
-        except PrefillNotAllowed as e:  # the gateway tries another prefill worker
-            await context.abort(status_of(e), str(e), failure_metadata("prefill", prefill))
-        except TransferError as e:
-            await context.abort(
-                status_of(e),
-                f"KV transfer from prefill worker {prefill} failed: {e}",
-                failure_metadata("prefill", prefill),
-            )
-        except HandedBack as e:  # draining: the gateway moves the stream to another worker
-            await context.abort(
-                status_of(e), str(e), (*failure_metadata("decode", self.address), (HANDED_BACK, "drain"))
-            )
-        except Exception as e:  # noqa: BLE001 - every failure is reported with its status (errors.STATUS)
-            message = str(e) if isinstance(e, InvalidParameter) else f"decode worker {self.address}: {e}"
-            await context.abort(status_of(e), message, failure_metadata("decode", self.address, e))
+        except grpc.aio.AioRpcError as e:  # the prefill worker's failure, passed on with its row and party
+            await pass_on(context, e, prefill)
+        except Exception as e:  # noqa: BLE001 - every failure is reported by its row (pdserve.failures)
+            await abort(context, e, "decode", self.address, peer=prefill)
 
-    async def Finish(self, request: worker_pb2.FinishRequest, context) -> worker_pb2.FinishResponse:
-        reason = {v: k for k, v in FINISH_REASONS.items()}.get(request.reason) or "stop"
+    async def Finish(
+        self, request: worker_pb2.FinishRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.FinishResponse:
+        reason = from_proto(request.reason) or "stop"
         return worker_pb2.FinishResponse(finished=self.worker.finish(request.stream_id, reason))
 
-    async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
+    async def GetStats(
+        self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStats:
         return worker_pb2.WorkerStats(**self.worker.stats())
 
 
+PREFILL_TIMEOUT_S = 600.0  # a Prefill call's deadline: a prompt that long is a stuck worker, not a slow one
+
+
 async def serve(
-    cfg: EngineConfig,
-    host: str,
-    port: int,
-    transport: str,
-    kv_host: str,
-    max_queued: int = 256,
-    prefill_timeout: float = 600.0,
-    tracing: Tracing | None = None,
-    colocated: bool = False,
-    local_prefill_max_tokens: int = 0,
-    reflection: bool = False,
-    advertised: str = "",
-    tls: TLSConfig | None = None,
-    allowed_prefill: Sequence[str] = (),
-    kv_port: int = 0,
-    threads_while_prefilling: int | None = None,
-    kv_bind: str | None = None,
-    kv_plane: str = "auto",
+    cfg: DecodeConfig, engine: EngineConfig, tls: TLSConfig | None, tracing: Tracing, colocated: bool
 ) -> tuple[RunningServer, DecodeWorker, PrefillClients | None]:
     """A decode worker (or, `colocated`, one that prefills every prompt itself and runs no KV receiver)."""
-    tracing = tracing or Tracing("pdserve-colocated" if colocated else "pdserve-decode")
+    host, port = cfg.server.host, cfg.server.port
     clients = (
-        None if colocated else PrefillClients(prefill_timeout, tracing.client_interceptors(), tls, allowed_prefill)
+        None
+        if colocated
+        else PrefillClients(PREFILL_TIMEOUT_S, tracing.client_interceptors(), tls, cfg.prefill.addresses)
     )
     worker = DecodeWorker(
-        cfg,
+        engine,
         clients,
-        transport=transport,
-        kv_host=kv_host,
-        kv_port=kv_port,
-        kv_bind=kv_bind,
-        max_queued=max_queued,
-        local_prefill_max_tokens=local_prefill_max_tokens,
+        transport=cfg.engine.kv_transport,
+        kv_host="" if colocated else routable(cfg.decode.kv_host or host),
+        kv_port=cfg.decode.kv_port,
+        kv_bind=host,
+        max_queued=cfg.queue.max_queued,
+        local_prefill_max_tokens=cfg.local_prefill.local_prefill_max_tokens,
         observer=DecodeObserver(tracing.tracer),
-        threads_while_prefilling=threads_while_prefilling,
-        kv_plane=kv_plane,
+        threads_while_prefilling=cfg.decode.threads_while_prefilling,
+        kv_plane=cfg.engine.kv_plane,
     )
     try:
         await worker.start()
@@ -213,11 +188,11 @@ async def serve(
             host,
             port,
             lambda s: worker_pb2_grpc.add_DecodeServiceServicer_to_server(
-                DecodeServicer(worker, advertised or f"{host}:{port}", clients), s
+                DecodeServicer(worker, f"{host}:{port}", clients), s
             ),
             [worker_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name],
             interceptors=tracing.server_interceptors(),
-            enable_reflection=reflection,
+            enable_reflection=cfg.worker.reflection,
             tls=tls,
             require_client_cert=True,
         )

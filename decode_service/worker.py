@@ -27,14 +27,13 @@ from pdserve.decode_service.observe import DecodeObserver
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore, StepOutput
 from pdserve.engine.engine_loop import EngineLoop
-from pdserve.engine.sampler import SampleOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SampleOutput, SamplingParams
 from pdserve.engine.sequence import Sequence
-from pdserve.errors import HandedBack, WorkerClosing
+from pdserve.failures import HandedBack, WorkerClosing
 from pdserve.kvtransfer.backends import make_transport
 from pdserve.kvtransfer.receiver import KVReceiver
 from pdserve.kvtransfer.registered import open_plane
-from pdserve.wire import PrefillJob, PrefillResult
+from pdserve.wire import PrefillJob, PrefillResult, worker_stats
 
 log = logging.getLogger(__name__)
 
@@ -293,23 +292,15 @@ class DecodeWorker:
 
     def stats(self) -> dict:
         core = self.core.stats()
-        return {
-            "kv_blocks_total": core.kv_blocks_total,
-            "kv_blocks_used": core.kv_blocks_used,
-            "kv_blocks_cached": core.kv_blocks_cached,
-            "block_size": core.block_size,
-            "running": core.running,
-            "waiting": core.waiting + core.reserving + core.awaiting_kv,
-            "queued_tokens": core.queued_tokens,
-            "prefix_hit_tokens": core.prefix_hit_tokens,
-            "max_model_len": core.max_model_len,
-            "preemptions_total": core.preemptions_total,
-            "role": self.role,
-            "model": self.model_name,
-            "requests_total": self.requests_total,
-            "kv_address": self.receiver.address if self.receiver is not None else "",
-            "pending_transfers": self.receiver.num_pending if self.receiver is not None else 0,
-            "local_prefills_total": self.local_prefills_total,
-            "remote_prefills_total": self.remote_prefills_total,
-            "local_prefill_max_tokens": self.local_prefill_max_tokens if self.receiver else 0,
-        }
+        return worker_stats(
+            core,
+            self.role,
+            self.model_name,
+            self.requests_total,
+            waiting=core.waiting + core.reserving + core.awaiting_kv,  # reserved blocks waiting for their KV too
+            kv_address=self.receiver.address if self.receiver is not None else "",
+            pending_transfers=self.receiver.num_pending if self.receiver is not None else 0,
+            local_prefills_total=self.local_prefills_total,
+            remote_prefills_total=self.remote_prefills_total,
+            local_prefill_max_tokens=self.local_prefill_max_tokens if self.receiver else 0,
+        )

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from pdserve.metrics_server import E2E_BUCKETS, ITL_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
+from pdserve.metric_families import LatencyMetrics
+from pdserve.metrics_server import TOKEN_BUCKETS, TTFT_BUCKETS
 
 
 class GatewayMetrics:
@@ -23,23 +24,14 @@ class GatewayMetrics:
         for reason in ("stop", "length"):  # present from the start, so rates and dashboards begin at zero
             self.requests.labels("OK", reason)
         self.in_flight = Gauge("pdserve_gateway_requests_in_flight", "Generate requests being served.", registry=r)
-        self.ttft = Histogram(
-            "pdserve_gateway_time_to_first_token_seconds",
-            "Request arrival to first token sent.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "pdserve_gateway_inter_token_latency_seconds",
-            "Gap between consecutive tokens sent.",
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "pdserve_gateway_e2e_request_latency_seconds",
-            "Request arrival to last token sent.",
-            buckets=E2E_BUCKETS,
-            registry=r,
+        self.latency = LatencyMetrics(
+            "gateway",
+            (
+                "Request arrival to first token sent.",
+                "Gap between consecutive tokens sent.",
+                "Request arrival to last token sent.",
+            ),
+            r,
         )
         self.prompt_tokens = Counter("pdserve_gateway_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.cached_prompt_tokens = Counter(
@@ -51,6 +43,10 @@ class GatewayMetrics:
         self.prompt_len = Histogram(
             "pdserve_gateway_request_prompt_tokens", "Prompt length per request.", buckets=TOKEN_BUCKETS, registry=r
         )
+        self._routing(r)
+
+    def _routing(self, r: CollectorRegistry) -> None:
+        """Where requests went: retries, migrations, workers by health, local and remote prefills."""
         self.retries = Counter(
             "pdserve_gateway_retries", "Requests re-routed after a worker refused or failed.", registry=r
         )
@@ -104,7 +100,7 @@ class _IndexCollector:
     def __init__(self, indexed: Callable[[], dict[str, int]]) -> None:
         self.indexed = indexed
 
-    def collect(self):
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
             "pdserve_gateway_prefix_index_blocks",
             "Prefix-cache blocks the KV-aware router believes each prefill worker holds.",

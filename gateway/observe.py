@@ -8,14 +8,44 @@ import asyncio
 import logging
 import time
 
+from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
 from opentelemetry import trace
 
 from pdserve.deadline import deadline_passed
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.logs import REQUEST_LOGGER, log_request
-from pdserve.tracing import trace_id
+from pdserve.tracing import extract, trace_id
 
 request_log = logging.getLogger(REQUEST_LOGGER)
+
+
+def http_span(tracer: trace.Tracer, request: Request, route: str) -> trace.Span:
+    """The server span of one OpenAI API request, continuing the caller's trace, with the HTTP semantic conventions'
+    attributes (what trace backends filter and group by)."""
+    return tracer.start_span(
+        f"POST {route}",
+        kind=trace.SpanKind.SERVER,
+        context=extract(dict(request.headers)),
+        attributes={
+            "http.request.method": "POST",
+            "http.route": route,
+            "url.path": request.url.path,
+            "url.scheme": request.url.scheme,
+            "network.protocol.version": request.scope.get("http_version", "1.1"),
+            "user_agent.original": request.headers.get("user-agent", ""),
+        },
+    )
+
+
+def http_span_answered(span: trace.Span, response: Response | None) -> None:
+    """The response's status on the span; the span ends here unless a stream goes on (it ends the span itself)."""
+    if response is not None:
+        span.set_attribute("http.response.status_code", response.status_code)
+        if response.status_code >= 400:
+            span.set_attribute("error.type", str(response.status_code))
+    if not isinstance(response, StreamingResponse):
+        span.end()
 
 
 class RequestWatch:
@@ -52,9 +82,9 @@ class RequestWatch:
         now = time.perf_counter()
         if self.ttft is None:
             self.ttft = now - self.start
-            self.metrics.ttft.observe(self.ttft)
+            self.metrics.latency.ttft.observe(self.ttft)
         else:
-            self.metrics.itl.observe(now - self.last_token)
+            self.metrics.latency.itl.observe(now - self.last_token)
             if self._moved:  # the client's gap across a migration: last token before it to first after
                 self.metrics.migration_stall.observe(now - self.last_token)
         self._moved = False
@@ -96,7 +126,7 @@ class RequestWatch:
         e2e = time.perf_counter() - self.start
         m.requests.labels(self.status, self.finish_reason).inc()
         if self.status == "OK":
-            m.e2e.observe(e2e)
+            m.latency.e2e.observe(e2e)
             m.prompt_tokens.inc(self.prompt_tokens)
             m.cached_prompt_tokens.inc(self.cached_tokens)
             m.prompt_len.observe(self.prompt_tokens)

@@ -1,11 +1,10 @@
 """One request's path through the gateway, whatever front door it came in by (gRPC or the OpenAI HTTP API).
 
-Validate (byte sizes before any tokenizing), tokenize off the event loop, pick a decode and a prefill worker,
-stream from the decode worker (retrying elsewhere if a worker refuses before the first token; moving the
-request, prompt and tokens so far, to another decode worker if its stream breaks after it: migration), detokenize
-incrementally, hold back text that could begin a stop string, and end with a finish reason and usage. Every
-failure is a `RequestError` carrying the gRPC status it maps to and, for bad input, the parameter at fault;
-the front doors only translate. Metrics, the request log line and the span attributes are recorded here, once.
+Validate (`request.check`), tokenize off the event loop, pick a decode and a prefill worker, stream from the decode
+worker, detokenize incrementally, hold back text that could begin a stop string, and end with a finish reason and
+usage. Each attempt ends in an outcome (`attempt.py`): done, retry elsewhere (a refusal before the first token),
+migrate (the stream broke after it: prompt and tokens so far move to another decode worker), or fail. Metrics, the
+request log line and the span attributes are recorded here, once.
 """
 
 from __future__ import annotations
@@ -20,74 +19,20 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import trace
 
-from pdserve.engine.sampling_params import InvalidParameter
-from pdserve.failure import FAILED_ADDRESS, FAILED_PARTY, HANDED_BACK, INVALID_PARAMETER
+from pdserve.finish_reason import from_proto
+from pdserve.gateway.attempt import Done, Fail, Migrate, Outcome, Retry, decide
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.observe import RequestWatch
+from pdserve.gateway.request import Delta, GenerationRequest, RequestError, check, invalid
 from pdserve.gateway.router import NoWorkerAvailable, RouteLease, Router, WorkerHandle, WorkerKey
 from pdserve.gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
 from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.options import MigrationOptions
 from pdserve.protos import common_pb2, worker_pb2
-from pdserve.wire import sampling_from_proto
 
 log = logging.getLogger(__name__)
 
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
-# a stream that broke with one of these after its first token moves to another decode worker
-MIGRATABLE = {
-    *RETRYABLE,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.DATA_LOSS,
-}
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 256
-MAX_REQUEST_ID = 128
-MAX_MESSAGES = 4096  # a chat longer than this is refused before its template is rendered
-FINISH = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
-
-
-class RequestError(Exception):
-    """Why a request failed: a gRPC status, a message for the caller, and the parameter at fault if any."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.param = code, message, param
-
-
-def invalid(param: str | None, message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message, param)
-
-
-@dataclass
-class GenerationRequest:
-    """Exactly one of `prompt`, `messages`, `token_ids`. `sampling` is what the workers get (no stop strings);
-    `stop` strings are applied here."""
-
-    request_id: str
-    sampling: common_pb2.SamplingParams
-    prompt: str | None = None
-    messages: list[dict] | None = None
-    token_ids: list[int] | None = None
-    stop: list[str] = field(default_factory=list)
-    model: str = ""
-    deadline: float | None = None  # time.monotonic() by which the request must end
-
-
-@dataclass
-class Delta:
-    """What one streamed message carries; the last one has `finish_reason` and `usage`."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[common_pb2.TokenLogprob]
-    finish_reason: str | None = None
-    usage: common_pb2.Usage | None = None
+MAX_ATTEMPTS = 3  # tries before the first token, on different workers: a refusal is a hint, three a verdict
 
 
 class RequestPath:
@@ -96,24 +41,20 @@ class RequestPath:
         tokenizer: Tokenizer,
         model_name: str,
         router: Router,
-        max_attempts: int = 3,
-        max_prompt_bytes: int = 1 << 20,
-        migration_limit: int = 3,
-        migration_max_tokens: int = 32768,
-        worker_wait: float = 10.0,
-        tracer: trace.Tracer | None = None,
-        metrics: GatewayMetrics | None = None,
+        migration: MigrationOptions,
+        max_prompt_bytes: int,
+        tracer: trace.Tracer,
+        metrics: GatewayMetrics,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.router = router
-        self.max_attempts = max_attempts
-        self.migration_limit = migration_limit
-        self.migration_max_tokens = migration_max_tokens
-        self.worker_wait = worker_wait  # seconds a request waits for a healthy worker before it fails
+        self.migration_limit = migration.migration_limit
+        self.migration_max_tokens = migration.migration_max_tokens
+        self.worker_wait = migration.worker_wait  # seconds a request waits for a healthy worker before it fails
         self.max_prompt_bytes = max_prompt_bytes
-        self.tracer = tracer or trace.NoOpTracer()
-        self.metrics = metrics or GatewayMetrics()
+        self.tracer = tracer
+        self.metrics = metrics
         self._tokenize = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
 
     def close(self) -> None:
@@ -122,40 +63,7 @@ class RequestPath:
     # ---- validation and tokens ---------------------------------------------------------------------------
 
     def check(self, req: GenerationRequest) -> None:
-        """What can be checked without tokenizing: sizes first, so a huge input costs nothing."""
-        if req.model and req.model != self.model_name:
-            raise RequestError(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {req.model!r} does not exist; this gateway serves {self.model_name!r}",
-                "model",
-            )
-        if len(req.request_id) > MAX_REQUEST_ID:
-            raise invalid("request_id", f"request_id is {len(req.request_id)} characters; at most {MAX_REQUEST_ID}")
-        if req.prompt is not None:
-            size = len(req.prompt.encode())
-        elif req.messages is not None:
-            if not req.messages:
-                raise invalid("messages", "messages is empty: a chat needs at least one message")
-            if len(req.messages) > MAX_MESSAGES:
-                raise invalid("messages", f"messages has {len(req.messages)} entries; at most {MAX_MESSAGES}")
-            # every message costs its role and the template's framing, not only its content
-            size = sum(len(str(m.get("content", "")).encode()) + len(str(m.get("role", ""))) + 16 for m in req.messages)
-        else:
-            size = 4 * len(req.token_ids or [])
-        if size > self.max_prompt_bytes:
-            raise invalid(
-                "prompt" if req.messages is None else "messages",
-                f"the prompt is {size} bytes; this gateway takes at most {self.max_prompt_bytes}",
-            )
-        if len(req.stop) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LENGTH for s in req.stop):
-            raise invalid(
-                "stop",
-                f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LENGTH} characters",
-            )
-        try:  # the engine's own rules, here before any work is done (the workers, which know the model, recheck)
-            sampling_from_proto(req.sampling).validate()
-        except InvalidParameter as e:
-            raise invalid(e.param, str(e)) from None
+        check(req, self.model_name, self.max_prompt_bytes)
 
     async def prompt_ids(self, req: GenerationRequest) -> list[int]:
         self.check(req)
@@ -198,75 +106,84 @@ class RequestPath:
             prompt_ids = await self.prompt_ids(req)
             span.set_attribute("pdserve.prompt_tokens", len(prompt_ids))
         out.prompt_tokens = len(prompt_ids)
-        run = _Run(req, prompt_ids, IncrementalDetokenizer(self.tokenizer.hf), StopStringMatcher(req.stop))
-        tried: set[WorkerKey] = set()  # the runs of workers that failed this request (a restarted one may serve it)
-        retries = 0
-        moved: _Retry | None = None  # the failure a migration is under way for
+        run = _Run(req, prompt_ids, IncrementalDetokenizer(self.tokenizer), StopStringMatcher(req.stop))
+        moved: Migrate | None = None  # the failure a migration is under way for
         while True:
-            with self.tracer.start_as_current_span("gateway.route") as span:
-                lease = await self._pick(tried, run, moved)
-                decode, prefill = lease.decode, lease.prefill
-                span.set_attributes(
-                    {
-                        "pdserve.decode": decode.address,
-                        "pdserve.prefill": prefill.address if prefill else "",
-                        "pdserve.attempt": retries + len(run.moves),
-                    }
-                )
-            if moved is not None:
-                out.migrated(moved.reason, moved.culprit, decode.address, len(run.generated), len(run.token_ids))
-                log.warning(
-                    "request %s: %s; moving it to %s after %d tokens",
-                    req.request_id,
-                    moved.error.message,
-                    decode.address,
-                    len(run.generated),
-                )
-            out.routed(decode.address, prefill.address if prefill else "")
-            try:
-                with lease:
-                    may_refuse = self.router.has_alternative(lease, tried, run.token_ids)
-                    async for delta in self._stream(run, lease, out, may_refuse):
-                        yield delta
+            lease = await self._route(run, moved, out)
+            attempt = _Attempt()
+            with lease:
+                may_refuse = self.router.has_alternative(lease, run.tried, run.token_ids)
+                async for delta in self._stream(run, lease, out, may_refuse, attempt):
+                    yield delta
+            if isinstance(attempt.outcome, Done):
                 return
-            except _Retry as retry:
-                tried.add(self.router.key(retry.culprit))
-                run.last_error = retry.error
-                moved = None
-                if run.generated:  # tokens were streamed: the rest comes from another decode worker, or nothing
-                    if len(run.moves) >= self.migration_limit or len(run.token_ids) > self.migration_max_tokens:
-                        raise self._not_moved(retry, run) from None
-                    run.moves.append(retry.culprit)
-                    moved = retry
-                    continue
-                retries += 1
-                out.retried()
-                if retries >= self.max_attempts:
-                    raise retry.error from None
-                log.warning("request %s: %s; retrying elsewhere", req.request_id, retry.error.message)
+            moved = self._next(run, attempt.outcome, out)
 
-    async def _pick(self, tried: set[WorkerKey], run: _Run, moved: _Retry | None) -> RouteLease:
+    def _next(self, run: _Run, outcome: Retry | Migrate | Fail, out: RequestWatch) -> Migrate | None:
+        """Act on a failed attempt: raise the request's error at Fail, or when no attempt is left; else the
+        Migrate to carry out next, or None for a retry."""
+        if isinstance(outcome, Fail):
+            raise outcome.error
+        run.tried.add(self.router.key(outcome.culprit))
+        run.last_error = outcome.error
+        if isinstance(outcome, Migrate):
+            if len(run.moves) >= self.migration_limit or len(run.token_ids) > self.migration_max_tokens:
+                raise self._not_moved(outcome, run)
+            run.moves.append(outcome.culprit)
+            return outcome
+        run.retries += 1
+        out.retried()
+        if run.retries >= MAX_ATTEMPTS:
+            raise outcome.error
+        log.warning("request %s: %s; retrying elsewhere", run.req.request_id, outcome.error.message)
+        return None
+
+    async def _route(self, run: _Run, moved: Migrate | None, out: RequestWatch) -> RouteLease:
+        """Workers for the next attempt, in a span; a migration is counted and logged here."""
+        with self.tracer.start_as_current_span("gateway.route") as span:
+            lease = await self._pick(run, moved)
+            decode, prefill = lease.decode, lease.prefill
+            span.set_attributes(
+                {
+                    "pdserve.decode": decode.address,
+                    "pdserve.prefill": prefill.address if prefill else "",
+                    "pdserve.attempt": run.retries + len(run.moves),
+                }
+            )
+        if moved is not None:
+            out.migrated(moved.reason, moved.culprit, decode.address, len(run.generated), len(run.token_ids))
+            log.warning(
+                "request %s: %s; moving it to %s after %d tokens",
+                run.req.request_id,
+                moved.error.message,
+                decode.address,
+                len(run.generated),
+            )
+        out.routed(decode.address, prefill.address if prefill else "")
+        return lease
+
+    async def _pick(self, run: _Run, moved: Migrate | None) -> RouteLease:
         """Workers for the next attempt; with none healthy now (down, restarting, or all tried), wait up to
         `worker_wait` seconds for one before failing UNAVAILABLE (or with the error that ended the last try)."""
         try:
-            return self.router.pick(tried, run.token_ids)
+            return self.router.pick(run.tried, run.token_ids)
         except NoWorkerAvailable as e:
             error = e
-        if self.worker_wait > 0 and await self.router.wait_for(tried, run.token_ids, self.worker_wait):
+        if self.worker_wait > 0 and await self.router.wait_for(run.tried, run.token_ids, self.worker_wait):
             try:
-                return self.router.pick(tried, run.token_ids)
+                return self.router.pick(run.tried, run.token_ids)
             except NoWorkerAvailable as e:  # taken again in the moment since
                 error = e
         why = f"{error} within {self.worker_wait:g}s"
         if moved is not None:
             raise self._not_moved(moved, run, f"{why} to move it to") from None
-        raise run.last_error or RequestError(grpc.StatusCode.UNAVAILABLE, why) from None
+        raise run.last_error or RequestError("no_worker", why) from None
 
-    def _not_moved(self, retry: _Retry, run: _Run, why: str = "") -> RequestError:
+    def _not_moved(self, moved: Migrate, run: _Run, why: str = "") -> RequestError:
         """The error a request ends with when its stream broke and it cannot move (again)."""
         if not why:
             if self.migration_limit == 0:
-                return retry.error
+                return moved.error
             if len(run.moves) >= self.migration_limit:
                 why = f"it moved {len(run.moves)} times already (--migration-limit {self.migration_limit})"
             else:
@@ -274,15 +191,17 @@ class RequestPath:
                     f"moving it would prefill {len(run.token_ids)} tokens again "
                     f"(--migration-max-tokens {self.migration_max_tokens})"
                 )
-        tried = ", ".join(dict.fromkeys(run.moves or [retry.culprit]))
-        return RequestError(retry.error.code, f"{retry.error.message}; not moved: {why} (workers tried: {tried})")
+        tried = ", ".join(dict.fromkeys(run.moves or [moved.culprit]))
+        return RequestError(moved.error.failure, f"{moved.error.message}; not moved: {why} (workers tried: {tried})")
 
-    async def _stream(self, run: _Run, lease: RouteLease, out: RequestWatch, may_refuse: bool) -> AsyncIterator[Delta]:
-        """One decode stream: the prompt, plus (after a migration) the tokens other workers generated, which
-        the worker counts as output, so max_tokens, penalties and seeded draws carry on where they stopped.
-        `may_refuse`: the prompt has somewhere else to go should its prefill worker be too busy to start it."""
-        req, usage, detok, matcher = run.req, run.usage, run.detok, run.matcher
-        decode, prefill = lease.decode, lease.prefill
+    async def _stream(
+        self, run: _Run, lease: RouteLease, out: RequestWatch, may_refuse: bool, attempt: _Attempt
+    ) -> AsyncIterator[Delta]:
+        """One decode stream, its outcome left in `attempt`: the prompt, plus (after a migration) the tokens other
+        workers generated, which the worker counts as output, so max_tokens, penalties and seeded draws carry on
+        where they stopped. `may_refuse`: the prompt has somewhere else to go should its prefill worker be too busy
+        to start it."""
+        req, decode, prefill = run.req, lease.decode, lease.prefill
         timeout = None if req.deadline is None else max(0.0, req.deadline - time.monotonic())
         call = decode.stub.Decode(
             worker_pb2.DecodeRequest(
@@ -296,38 +215,52 @@ class RequestPath:
             timeout=timeout,
         )
         streamed = False
-        stream_id = ""
         try:
             async for resp in call:
-                if not streamed:
-                    if not run.moves:
-                        usage.cached_prompt_tokens = resp.cached_prompt_tokens
-                    stream_id = resp.stream_id
-                lease.prefilled()
+                if not streamed and not run.moves:
+                    run.usage.cached_prompt_tokens = resp.cached_prompt_tokens
                 streamed = True
-                usage.completion_tokens += len(resp.token_ids)
-                run.generated.extend(resp.token_ids)
-                text = matcher.feed(detok.add(resp.token_ids))
-                finish = FINISH.get(resp.finish_reason)
-                if matcher.stopped and not finish:  # a stop string: the worker ends the stream as finished
-                    finish = "stop"
-                    await self._finish_early(decode, stream_id)
-                elif finish:
-                    text += matcher.feed(detok.flush()) + matcher.flush()
-                out.token_sent(usage.completion_tokens, usage.cached_prompt_tokens)
-                if finish:
-                    out.finish_reason = finish
+                lease.prefilled()
+                delta = await self._delta(run, decode, resp, out)
+                if delta.finish_reason:
                     await self._drain(call)
-                    yield Delta(text, list(resp.token_ids), list(resp.logprobs), finish, usage)
+                    attempt.outcome = Done()
+                    yield delta
                     return
-                yield Delta(text, list(resp.token_ids), list(resp.logprobs))
-            raise RequestError(
-                grpc.StatusCode.INTERNAL, f"decode worker {decode.address} ended the stream without a finish reason"
-            )
+                yield delta
+            message = f"decode worker {decode.address} ended the stream without a finish reason"
+            attempt.outcome = Fail(RequestError("incomplete_stream", message))
         except grpc.aio.AioRpcError as e:
-            raise self._failure(e, decode, prefill, streamed, bool(run.generated)) from None
+            outcome, blame = decide(
+                e, decode.address, prefill.address if prefill else "", streamed, bool(run.generated)
+            )
+            if blame.mark_down:
+                self.router.mark_down(blame.address)
+            attempt.outcome = outcome
         finally:
             call.cancel()  # the worker stops generating (and its client span ends) as soon as we are done
+
+    async def _delta(
+        self, run: _Run, decode: WorkerHandle, resp: worker_pb2.DecodeResponse, out: RequestWatch
+    ) -> Delta:
+        """What one decode message adds for the client: text through the detokenizer and the stop strings."""
+        usage = run.usage
+        usage.completion_tokens += len(resp.token_ids)
+        run.generated.extend(resp.token_ids)
+        if resp.stream_id:
+            run.stream_id = resp.stream_id
+        text = run.matcher.feed(run.detok.add(resp.token_ids))
+        finish = from_proto(resp.finish_reason)
+        if run.matcher.stopped and not finish:  # a stop string: the worker ends the stream as finished
+            finish = "stop"
+            await self._finish_early(decode, run.stream_id)
+        elif finish:
+            text += run.matcher.feed(run.detok.flush()) + run.matcher.flush()
+        out.token_sent(usage.completion_tokens, usage.cached_prompt_tokens)
+        if finish:
+            out.finish_reason = finish
+            return Delta(text, list(resp.token_ids), list(resp.logprobs), finish, usage)
+        return Delta(text, list(resp.token_ids), list(resp.logprobs))
 
     @staticmethod
     async def _finish_early(decode: WorkerHandle, stream_id: str) -> None:
@@ -342,52 +275,13 @@ class RequestPath:
             log.debug("Finish on %s failed: %s", decode.address, e.code().name)
 
     @staticmethod
-    async def _drain(call) -> None:
+    async def _drain(call: grpc.aio.UnaryStreamCall) -> None:
         """Read the decode stream to its end (a few messages at most), so the call and its client span end now
         rather than whenever the call is collected."""
         try:
             await asyncio.wait_for(_consume(call), 5.0)
         except (TimeoutError, grpc.aio.AioRpcError):
             pass
-
-    def _failure(
-        self,
-        e: grpc.aio.AioRpcError,
-        decode: WorkerHandle,
-        prefill: WorkerHandle | None,
-        streamed: bool,
-        generated: bool,
-    ) -> Exception:
-        """A RequestError naming the worker that failed; a _Retry when another worker could serve it instead
-        (`generated`: tokens were already streamed, on this worker or an earlier one: a migration)."""
-        code = e.code()
-        meta = {k: v for k, v in (e.trailing_metadata() or ())}
-        party = meta.get(FAILED_PARTY, "decode")
-        address = meta.get(FAILED_ADDRESS) or (prefill.address if party == "prefill" and prefill else decode.address)
-        if code == grpc.StatusCode.PERMISSION_DENIED and party == "prefill" and prefill is not None and not streamed:
-            # this decode worker does not (yet) know that prefill worker (a pod that just scaled up): another
-            # prefill worker can serve the request; the worker is not down
-            return _Retry(RequestError(code, e.details() or code.name), address, "prefill_refused" if generated else "")
-        if code in (
-            grpc.StatusCode.INVALID_ARGUMENT,
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            grpc.StatusCode.CANCELLED,
-            grpc.StatusCode.PERMISSION_DENIED,
-            grpc.StatusCode.FAILED_PRECONDITION,
-        ):
-            return RequestError(code, e.details() or code.name, meta.get(INVALID_PARAMETER))
-        where = "mid-stream" if streamed else "before the first token"
-        error = RequestError(code, f"{party} worker {address} failed {where}: {e.details() or code.name}")
-        handed_back = HANDED_BACK in meta
-        if code == grpc.StatusCode.UNAVAILABLE and not handed_back:
-            self.router.mark_down(address)
-        if generated:
-            if code not in MIGRATABLE or self.migration_limit == 0:
-                return error
-            return _Retry(error, address, "drain" if handed_back else code.name.lower())
-        if streamed or code not in RETRYABLE:
-            return error
-        return _Retry(error, address)
 
 
 @dataclass
@@ -401,6 +295,9 @@ class _Run:
     matcher: StopStringMatcher
     generated: list[int] = field(default_factory=list)
     moves: list[str] = field(default_factory=list)  # the decode workers it was moved away from, in order
+    tried: set[WorkerKey] = field(default_factory=set)  # the runs of workers that failed it (a restarted one may not)
+    retries: int = 0
+    stream_id: str = ""  # the current decode stream's, for an early Finish
     last_error: RequestError | None = None
     usage: common_pb2.Usage = field(default_factory=common_pb2.Usage)
 
@@ -412,14 +309,13 @@ class _Run:
         return self.prompt_ids + self.generated
 
 
-class _Retry(Exception):
-    """Another worker can take the request; `reason` is set when it already streamed (a migration)."""
+@dataclass
+class _Attempt:
+    """Where a stream leaves its outcome (an async generator returns no value)."""
 
-    def __init__(self, error: RequestError, culprit: str, reason: str = "") -> None:
-        super().__init__(error.message)
-        self.error, self.culprit, self.reason = error, culprit, reason
+    outcome: Outcome = field(default_factory=lambda: Fail(RequestError("incomplete_stream", "the attempt ended early")))
 
 
-async def _consume(call) -> None:
+async def _consume(call: grpc.aio.UnaryStreamCall) -> None:
     async for _ in call:
         pass

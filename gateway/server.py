@@ -6,13 +6,19 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 
+from pdserve.config import GatewayConfig
+from pdserve.failures import public_metadata
+from pdserve.finish_reason import to_proto
+from pdserve.gateway.http_server import HTTPServer
 from pdserve.gateway.metrics import GatewayMetrics
-from pdserve.gateway.openai_api import HTTPLimits, HTTPServer, create_app
-from pdserve.gateway.request_path import GenerationRequest, RequestError, RequestPath
+from pdserve.gateway.openai_api import create_app
+from pdserve.gateway.request import GenerationRequest, RequestError
+from pdserve.gateway.request_path import RequestPath
 from pdserve.gateway.router import NoWorkerAvailable, Router
 from pdserve.gateway.tokenizer import Tokenizer
 from pdserve.grpc_server import RunningServer, start_server
@@ -21,12 +27,6 @@ from pdserve.security import ApiKeyInterceptor, TLSConfig
 from pdserve.tracing import Tracing
 
 log = logging.getLogger(__name__)
-
-FINISH_PROTO = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
 
 
 def request_from_proto(request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:
@@ -54,11 +54,18 @@ def request_from_proto(request: generation_pb2.GenerateRequest, context: grpc.ai
     return req
 
 
+async def _abort(context: grpc.aio.ServicerContext, e: RequestError) -> None:
+    """End a public call with a request's failure: its row's status, the message, the label and the parameter."""
+    await context.abort(e.code, e.message, public_metadata(e.failure, e.param))
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, path: RequestPath) -> None:
         self.path = path
 
-    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         req = request_from_proto(request, context)
         try:
             async for delta in self.path.run(req, "grpc"):
@@ -66,13 +73,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     request_id=req.request_id, text=delta.text, token_ids=delta.token_ids, logprobs=delta.logprobs
                 )
                 if delta.finish_reason:
-                    msg.finish_reason = FINISH_PROTO[delta.finish_reason]
+                    msg.finish_reason = to_proto(delta.finish_reason)
                     msg.usage.CopyFrom(delta.usage)
                 yield msg
         except RequestError as e:
-            await context.abort(e.code, e.message)
+            await _abort(context, e)
 
-    async def Tokenize(self, request: generation_pb2.TokenizeRequest, context) -> generation_pb2.TokenizeResponse:
+    async def Tokenize(
+        self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.TokenizeResponse:
         req = GenerationRequest("tokenize", common_pb2.SamplingParams(), model=request.model)
         if request.WhichOneof("input") == "chat":
             req.messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
@@ -81,65 +90,45 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             ids = await self.path.prompt_ids(req)
         except RequestError as e:
-            await context.abort(e.code, e.message)
+            await _abort(context, e)
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.path.tokenizer.convert_ids_to_tokens(ids))
 
-    async def ListModels(self, request, context) -> generation_pb2.ListModelsResponse:
+    async def ListModels(
+        self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ListModelsResponse:
         return generation_pb2.ListModelsResponse(
             models=[generation_pb2.ModelInfo(id=self.path.model_name, max_model_len=self.path.router.max_model_len)]
         )
 
 
 async def serve(
-    model_dir: Path,
-    host: str,
-    port: int,
-    prefill: list[str],
-    decode: list[str],
-    ready_timeout: float = 300.0,
-    tracing: Tracing | None = None,
-    metrics: GatewayMetrics | None = None,
-    discover: bool = False,
-    poll_interval: float = 1.0,
-    tls: TLSConfig | None = None,
-    api_key: str | None = None,
-    max_prompt_bytes: int = 1 << 20,
-    http_host: str | None = None,
-    http_port: int = -1,
-    kv_aware: bool = True,
-    overlap_weight: float = 1.0,
-    http_limits: HTTPLimits | None = None,
-    migration_limit: int = 3,
-    migration_max_tokens: int = 32768,
-    worker_wait: float = 10.0,
+    cfg: GatewayConfig, model_dir: Path, tls: TLSConfig | None, tracing: Tracing, metrics: GatewayMetrics
 ) -> tuple[RunningServer, Router, RequestPath, HTTPServer | None]:
-    """Bind the public ports first (a busy port fails at once), wait for workers, then say SERVING. With
-    `http_port` >= 0 the OpenAI-compatible HTTP API is served too, on the same request path."""
-    tracing = tracing or Tracing("pdserve-gateway")
-    tokenizer = Tokenizer(model_dir)
+    """Bind the public ports first (a busy port fails at once), wait for workers, then say SERVING. With an HTTP
+    port (>= 0) the OpenAI-compatible HTTP API is served too, on the same request path."""
+    host, port = cfg.server.host, cfg.server.port
     router = Router(
-        prefill,
-        decode,
-        poll_interval=poll_interval,
+        cfg.prefill.addresses,
+        cfg.gateway.decode_addresses,
+        poll_interval=cfg.gateway.poll_interval,
         interceptors=tracing.client_interceptors(),
-        discover=discover,
+        discover=cfg.gateway.discover,
         tls=tls,
-        kv_aware=kv_aware,
-        overlap_weight=overlap_weight,
+        kv_aware=cfg.routing.routing == "kv-aware",
+        overlap_weight=cfg.routing.overlap_weight,
         model=model_dir.name,
     )
     path = RequestPath(
-        tokenizer,
+        Tokenizer(model_dir),
         model_dir.name,
         router,
-        max_prompt_bytes=max_prompt_bytes,
-        migration_limit=migration_limit,
-        migration_max_tokens=migration_max_tokens,
-        worker_wait=worker_wait,
-        tracer=tracing.tracer,
-        metrics=metrics,
+        cfg.migration,
+        cfg.gateway.max_prompt_bytes,
+        tracing.tracer,
+        metrics,
     )
-    path.metrics.bind_router(router.counts, router.indexed)
+    metrics.bind_router(router.counts, router.indexed)
+    api_key = cfg.api_key.api_key
     interceptors = [*tracing.server_interceptors(), *([ApiKeyInterceptor(api_key)] if api_key else [])]
     running = await start_server(
         host,
@@ -151,21 +140,30 @@ async def serve(
         tls=tls,
         require_client_cert=False,
     )
-    http = None
-    if http_port >= 0:
-        try:
-            limits = http_limits or HTTPLimits()
-            app = create_app(path, api_key, tracing, limits)
-            http = await HTTPServer(app, http_host or host, http_port, tls, limits).start()
-        except BaseException:
-            await running.server.stop(None)
-            raise
-        log.info("OpenAI-compatible API on %s", http.url)
+    try:
+        http = await _http(cfg, path, tls, tracing) if cfg.http.http_port >= 0 else None
+    except BaseException:
+        await running.server.stop(None)
+        raise
     await router.start()
     try:
-        await router.wait_ready(ready_timeout)
+        await router.wait_ready(cfg.gateway.ready_timeout)
     except NoWorkerAvailable as e:
         log.warning("%s; serving anyway (requests get UNAVAILABLE until workers answer)", e)
     await running.serving()
-    log.info("gateway on %s:%d (prefill %s, decode %s)", host, running.port, prefill, decode)
+    log.info(
+        "gateway on %s:%d (prefill %s, decode %s)",
+        host,
+        running.port,
+        cfg.prefill.addresses,
+        cfg.gateway.decode_addresses,
+    )
     return running, router, path, http
+
+
+async def _http(cfg: GatewayConfig, path: RequestPath, tls: TLSConfig | None, tracing: Tracing) -> HTTPServer:
+    """The OpenAI-compatible HTTP API on the same request path, started."""
+    app = create_app(path, cfg.api_key.api_key, tracing.tracer, cfg.http)
+    http = await HTTPServer(app, cfg.http.http_host or cfg.server.host, cfg.http, tls).start()
+    log.info("OpenAI-compatible API on %s", http.url)
+    return http

@@ -9,10 +9,15 @@ until they can no longer start a stop string, so a stop string is never streamed
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self.token_ids: list[int] = []

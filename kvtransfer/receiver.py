@@ -25,13 +25,11 @@ import asyncio
 import hmac
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from pdserve.kernels.cache_ops import scatter_blocks
-from pdserve.kernels.kv_layout import KVLayout, LayoutMismatch, contiguous_run
+from pdserve.kernels.kv_layout import KVLayout, LayoutMismatch
 from pdserve.kvtransfer.errors import PeerDisconnected, ProtocolError, TransferCancelled, TransferError, TransferTimeout
 from pdserve.kvtransfer.messages import (
     MAX_ERROR,
@@ -45,65 +43,16 @@ from pdserve.kvtransfer.messages import (
     HelloErr,
     HelloOk,
     Layer,
-    Message,
     blocks_of,
 )
-from pdserve.kvtransfer.registered import ONE_SIDED, STAGED, CacheDescriptor, RegisteredCache, RemoteCache
+from pdserve.kvtransfer.receiver_link import Expected, Link, land_staged
+from pdserve.kvtransfer.registered import ONE_SIDED, STAGED, CacheDescriptor, RegisteredCache
 from pdserve.kvtransfer.stats import StatsHook, TransferStats
-from pdserve.kvtransfer.transport import Connection, Listener, Transport, as_bytes
+from pdserve.kvtransfer.transport import Connection, Listener, Transport
 
 log = logging.getLogger(__name__)
 
 MAX_OPEN_PER_CONNECTION = 4096
-
-
-@dataclass
-class _Expected:
-    transfer_id: str
-    block_ids: list[int]
-    secret: str
-    future: asyncio.Future
-    stats: TransferStats
-    layers_done: set[int] = field(default_factory=set)
-    layers_asked: set[int] = field(default_factory=set)  # one-sided: layers whose read was posted
-    conn_id: int = 0  # the connection that began it (0: not begun yet)
-    src: list[int] | None = None  # one-sided: the sender's blocks, in reservation order
-    started: float = 0.0  # first and last layer message (perf_counter)
-    last: float = 0.0
-    wire_end: float = 0.0
-    timer: asyncio.TimerHandle | None = None
-    receiving: asyncio.Future | None = None  # resolves when the receives or reads into the blocks in flight end
-    inflight: int = 0  # one-sided reads in flight
-
-
-@dataclass
-class _Link:
-    """One sender's connection: what it has begun, its cache (one-sided), and the sends and reads it has running."""
-
-    conn: Connection
-    id: int
-    begun: dict[str, bool] = field(default_factory=dict)  # transfers begun here -> one-sided?
-    sizes: dict[str, int] = field(default_factory=dict)  # ... -> their block count (what a layer is)
-    descriptor: CacheDescriptor | None = None  # the sender's cache, when this side reads from it
-    remote: RemoteCache | None = None  # ... loaded, after a begin with a right secret
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    tasks: set[asyncio.Task] = field(default_factory=set)
-    reads: set[asyncio.Future] = field(default_factory=set)
-
-    async def send(self, msg: Message) -> None:
-        async with self.lock:  # completions send too: whole messages, one at a time
-            await self.conn.send(msg)
-
-    def send_soon(self, msg: Message) -> None:
-        task = asyncio.ensure_future(self._send_quietly(msg))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    async def _send_quietly(self, msg: Message) -> None:
-        try:
-            await self.send(msg)
-        except TransferError:
-            pass  # the connection is gone; its end fails what it fed
 
 
 class KVReceiver:
@@ -134,7 +83,7 @@ class KVReceiver:
         self.on_complete = on_complete
         self.registered = registered
         self._cleanups: set[asyncio.Task] = set()
-        self._expected: dict[str, _Expected] = {}
+        self._expected: dict[str, Expected] = {}
         self._listener: Listener | None = None
         self._conn_ids = iter(range(1, 1 << 62))
         self.discarded_messages = 0
@@ -178,7 +127,7 @@ class KVReceiver:
             raise ValueError(f"block ids out of range for a pool of {self.layout.num_blocks}")
         fut = asyncio.get_running_loop().create_future()
         stats = TransferStats(transfer_id, self.transport.name, blocks=len(block_ids))
-        exp = _Expected(transfer_id, list(block_ids), secret, fut, stats)
+        exp = Expected(transfer_id, list(block_ids), secret, fut, stats)
         exp.timer = asyncio.get_running_loop().call_later(  # replaced by the progress timer at `begin`
             timeout or self.timeout,
             self._fail,
@@ -220,7 +169,7 @@ class KVReceiver:
     # ---- one connection ----------------------------------------------------------------------------------
 
     async def _serve(self, conn: Connection) -> None:
-        link = _Link(conn, next(self._conn_ids))
+        link = Link(conn, next(self._conn_ids))
         try:
             hello = await asyncio.wait_for(conn.recv(), self.timeout)
             if not isinstance(hello, Hello):
@@ -271,7 +220,7 @@ class KVReceiver:
                 self._cleanups.add(task)
                 task.add_done_callback(self._cleanups.discard)
 
-    async def _unload(self, link: _Link) -> None:
+    async def _unload(self, link: Link) -> None:
         """Forget a gone sender's cache once no read from it is in flight any more."""
         await asyncio.gather(*link.reads, return_exceptions=True)
         if link.remote is not None and self.registered is not None:
@@ -282,7 +231,7 @@ class KVReceiver:
             if exp.conn_id == conn_id:
                 self._fail(tid, error)
 
-    async def _on_begin(self, link: _Link, msg: Begin) -> str | None:
+    async def _on_begin(self, link: Link, msg: Begin) -> str | None:
         """A sender names a transfer, how many blocks it sends and its secret; returns an error text for a
         transfer this receiver does not expect (any more). A wrong secret is a protocol error."""
         tid = msg.req
@@ -321,7 +270,7 @@ class KVReceiver:
         self._arm(exp)
         return None
 
-    def _source_blocks(self, link: _Link, msg: Begin) -> list[int]:
+    def _source_blocks(self, link: Link, msg: Begin) -> list[int]:
         """The sender's blocks of a one-sided begin, checked against its pool before they are spelled out."""
         d = link.descriptor
         if d is None:
@@ -331,7 +280,7 @@ class KVReceiver:
             raise ProtocolError(f"transfer {msg.req}: source runs do not cover {msg.blocks} of the sender's blocks")
         return blocks_of(msg.src)
 
-    def _arm(self, exp: _Expected) -> None:
+    def _arm(self, exp: Expected) -> None:
         """(Re)start the no-progress timer of a begun transfer."""
         if exp.timer:
             exp.timer.cancel()
@@ -342,7 +291,7 @@ class KVReceiver:
             TransferTimeout(f"transfer {exp.transfer_id}: no KV for {self.timeout:.1f}s"),
         )
 
-    async def _on_layer(self, link: _Link, msg: Layer) -> str | None:
+    async def _on_layer(self, link: Link, msg: Layer) -> str | None:
         """Land (staged) or start reading (one-sided) one message of one or more consecutive layers; returns the
         transfer id if that completed it."""
         tid, layers, n = msg.req, msg.layers, msg.blocks
@@ -377,37 +326,19 @@ class KVReceiver:
         if one_sided:
             self._read(link, exp, layers)
             return None
-        conn = link.conn
         exp.receiving = asyncio.get_running_loop().create_future()
         wire_start = time.perf_counter()
         try:
-            run = contiguous_run(blocks)
-            # a sender that stalls mid-message for longer than the timeout loses its connection (bounded wait)
-            if run is not None and self.cache.device.type == "cpu":  # straight into the cache
-                await asyncio.wait_for(
-                    conn.recv_many(
-                        [as_bytes(self.cache[layer, kv, run[0] : run[1]]) for layer in layers for kv in (0, 1)]
-                    ),
-                    self.timeout,
-                )
-            else:  # scattered blocks, or device memory: land in host memory, then copy into place
-                shape = (len(layers), 2, len(blocks)) + tuple(self.cache.shape[3:])
-                staging = torch.empty(shape, dtype=self.cache.dtype)
-                await asyncio.wait_for(
-                    conn.recv_many([as_bytes(staging[i, kv]) for i in range(len(layers)) for kv in (0, 1)]),
-                    self.timeout,
-                )
-                if self._expected.get(tid) is exp:  # not cancelled while the bytes were in flight
-                    index = torch.tensor(blocks, device=self.cache.device)
-                    for i, layer in enumerate(layers):
-                        scatter_blocks(staging[i].to(self.cache.device), self.cache[layer], index)
+            await land_staged(
+                link.conn, self.cache, blocks, layers, self.timeout, lambda: self._expected.get(tid) is exp
+            )
         finally:
             exp.receiving.set_result(None)
             exp.receiving = None
         exp.stats.wire_seconds += time.perf_counter() - wire_start
         return self._landed(link, exp, layers)
 
-    def _read(self, link: _Link, exp: _Expected, layers: list[int]) -> None:
+    def _read(self, link: Link, exp: Expected, layers: list[int]) -> None:
         """Post the read of `layers` from the sender's blocks into the reservation; `_read_ended` takes it up."""
         assert self.registered is not None and link.remote is not None and exp.src is not None
         exp.layers_asked.update(layers)
@@ -418,7 +349,7 @@ class KVReceiver:
         link.reads.add(read)
         read.add_done_callback(lambda f: self._read_ended(link, exp, layers, f))
 
-    def _read_ended(self, link: _Link, exp: _Expected, layers: list[int], read: asyncio.Future) -> None:
+    def _read_ended(self, link: Link, exp: Expected, layers: list[int], read: asyncio.Future) -> None:
         link.reads.discard(read)
         exp.inflight -= 1
         if exp.inflight == 0 and exp.receiving is not None:
@@ -438,7 +369,7 @@ class KVReceiver:
         if self._landed(link, exp, layers) is not None:
             link.send_soon(Done(tid))
 
-    def _landed(self, link: _Link, exp: _Expected, layers: list[int]) -> str | None:
+    def _landed(self, link: Link, exp: Expected, layers: list[int]) -> str | None:
         """Count layers as landed; returns the transfer id once that completes it (its future is resolved)."""
         tid = exp.transfer_id
         if self._expected.get(tid) is not exp:

@@ -30,17 +30,16 @@ import importlib
 import logging
 import os
 import secrets
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pdserve.kernels.kv_layout import KVLayout, paired_runs
-from pdserve.kvtransfer.errors import ProtocolError, TransferError, TransferTimeout
+from pdserve.kvtransfer.agent_thread import AgentThread, Read
+from pdserve.kvtransfer.errors import ProtocolError, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +47,6 @@ ONE_SIDED = "one-sided"
 STAGED = "staged"
 PLANES = ("auto", ONE_SIDED, STAGED)
 
-PROGRESS_S = 1e-3  # UCX progress while peers are connected and nothing is in flight, just after one connected
-IDLE_PROGRESS_S = 50e-3  # ... and once the connections are up
-WIRE_UP_S = 2.0  # how long "just after" is
-POLL_S = 20e-6  # between polls of operations in flight
 MAX_METADATA = 48 << 10  # bytes of a peer's agent metadata this side accepts
 # ucxx sets UCX_RNDV_THRESH=8192 for its own context when it is imported; with it UCX emulates one-sided gets in
 # software over TCP instead of using CMA. The agent's context is created without that value.
@@ -157,109 +152,6 @@ class CacheDescriptor:
         return cls(agent, metadata, ints["base"], ints["nbytes"], memory, ints["device"], ints["num_blocks"], host)
 
 
-@dataclass
-class _Read:
-    handle: Any
-    future: concurrent.futures.Future[tuple[float, float]]
-    deadline: float
-    started: float = field(default_factory=time.perf_counter)
-    expired: bool = False
-
-
-class _AgentThread:
-    """The one thread that calls the agent: runs submitted calls, polls posted reads, progresses UCX."""
-
-    def __init__(self, agent: Any) -> None:
-        self.agent = agent
-        self.connected = 0  # peers using this agent: progress UCX while any are
-        self._wire_up_until = 0.0
-        self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
-        self._reads: list[_Read] = []
-        self._cond = threading.Condition()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="pdserve-kv-plane", daemon=True)
-        self._thread.start()
-
-    def call(self, fn: Callable[[], Any]) -> asyncio.Future:
-        """Run `fn` on the agent's thread; its result as an asyncio future."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            if self._stopping:
-                raise TransferError("the KV plane is closed")
-            self._calls.append((fn, fut))
-            self._cond.notify()
-        return asyncio.wrap_future(fut)
-
-    def connect(self, delta: int) -> None:
-        with self._cond:
-            self.connected += delta
-            if delta > 0:
-                self._wire_up_until = time.monotonic() + WIRE_UP_S
-            self._cond.notify()
-
-    def track(self, read: _Read) -> None:
-        """(On the agent's thread.) Poll a posted read until it ends."""
-        self._reads.append(read)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._calls and not self._reads and not self._stopping:
-                    self._cond.wait(self._progress_interval())
-                if self._stopping and not self._calls and not self._reads:
-                    return
-                calls = list(self._calls)
-                self._calls.clear()
-            for fn, fut in calls:
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except BaseException as e:  # noqa: BLE001 - handed to the caller
-                        fut.set_exception(e)
-            if self._reads:
-                self._poll()
-                if self._reads:
-                    time.sleep(POLL_S)
-            elif self.connected:
-                self.agent.get_new_notifs()  # progresses UCX: wire-up and software-emulated gets need the peer's
-
-    def _progress_interval(self) -> float | None:
-        if not self.connected:
-            return None
-        return PROGRESS_S if time.monotonic() < self._wire_up_until else IDLE_PROGRESS_S
-
-    def _poll(self) -> None:
-        now = time.perf_counter()
-        still: list[_Read] = []
-        for r in self._reads:
-            state = "ERR" if r.expired else self.agent.check_xfer_state(r.handle)
-            if state == "PROC" and now > r.deadline:
-                r.expired, state = True, "ERR"
-            if state == "PROC":
-                still.append(r)
-                continue
-            try:
-                self.agent.release_xfer_handle(r.handle)  # cancels one still in flight
-            except Exception:  # noqa: BLE001 - UCX could not cancel it yet: it may still write, so keep it a while
-                if now < 2 * r.deadline - r.started:
-                    still.append(r)
-                    continue
-                log.error("a KV read could not be cancelled in %.1fs; its handle is left behind", now - r.started)
-            if state == "DONE":
-                r.future.set_result((r.started, now))
-            elif r.expired:
-                r.future.set_exception(TransferTimeout(f"a KV read made no progress for {r.deadline - r.started:.1f}s"))
-            else:
-                r.future.set_exception(TransferError("a KV read failed (the peer's memory is gone or unreachable)"))
-        self._reads = still
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        self._thread.join(30)
-
-
 @dataclass(frozen=True)
 class RemoteCache:
     """A peer's cache this side has loaded and may read from."""
@@ -303,7 +195,7 @@ class RegisteredCache:
             name, agent.get_agent_metadata(), base, nbytes, self.memory, self.device, layout.num_blocks, host_key()
         )
         self._agent = agent
-        self._thread = _AgentThread(agent)
+        self._thread = AgentThread(agent)
         self._loaded: dict[str, int] = {}  # peer agent -> connections using it
         self._closed = False
 
@@ -379,7 +271,7 @@ class RegisteredCache:
                 agent.get_xfer_descs(peer, remote.descriptor.memory),
                 remote.descriptor.agent,
             )
-            read = _Read(handle, result, time.perf_counter() + timeout)
+            read = Read(handle, result, time.perf_counter() + timeout)
             agent.transfer(handle)  # a failed post shows as the handle's state, polled like any other
             self._thread.track(read)
 

@@ -17,10 +17,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from pdserve.kernels.cache_ops import gather_blocks
@@ -31,26 +29,23 @@ from pdserve.kvtransfer.messages import (
     MAX_SRC,
     Abort,
     Begin,
-    Bye,
-    Done,
-    Error,
     Hello,
     HelloOk,
     Layer,
-    Message,
     runs_of,
 )
 from pdserve.kvtransfer.registered import ONE_SIDED, RegisteredCache
+from pdserve.kvtransfer.sender_peer import ByteBudget, Peer, Queued
 from pdserve.kvtransfer.stats import StatsHook, TransferStats
-from pdserve.kvtransfer.transport import Connection, Transport, as_bytes, parse_address, to_host
+from pdserve.kvtransfer.transport import Transport, as_bytes, parse_address, to_host
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Outgoing:
+class Outgoing:
     request_id: str
-    peer: _Peer
+    peer: Peer
     src_block_ids: list[int]
     src_run: tuple[int, int] | None
     done: asyncio.Future[TransferStats]
@@ -59,175 +54,6 @@ class _Outgoing:
     started: float = field(default_factory=time.perf_counter)
     first: float = 0.0  # first and last layer queued (perf_counter)
     last: float = 0.0
-
-
-@dataclass
-class _Queued:
-    """One message waiting for the connection's writer, with its payloads and the budget bytes they hold."""
-
-    message: Message
-    payloads: tuple[np.ndarray, ...] = ()
-    nbytes: int = 0
-    ready: torch.cuda.Event | None = None  # device memory: the forward's writes are done once this has passed
-
-
-class _ByteBudget:
-    """Bounds bytes queued but not yet sent; blocks producer threads, never the event loop."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._cond = threading.Condition()
-
-    def acquire(self, n: int, block: bool) -> None:
-        with self._cond:
-            if block:
-                self._cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
-            self.used += n
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-
-class _Peer:
-    """One connection to one receiver, its writer and reader tasks, and the requests riding on it. `on_broken`
-    tells the owner once when the connection becomes unusable."""
-
-    def __init__(
-        self,
-        address: str,
-        conn: Connection,
-        budget: _ByteBudget,
-        timeout: float,
-        on_broken: Callable[[_Peer], None],
-        read_by: RegisteredCache | None = None,
-    ) -> None:
-        self.address = address
-        self.read_by = read_by  # this cache, when the receiver reads from it (one-sided)
-        self.conn = conn
-        self.budget = budget
-        self.timeout = timeout
-        self.on_broken = on_broken
-        self.requests: dict[str, _Outgoing] = {}
-        self.queue: asyncio.Queue[_Queued | None] = asyncio.Queue()  # None: stop writing
-        self.broken: TransferError | None = None
-        self.writer = asyncio.create_task(self._write_loop())
-        self.reader = asyncio.create_task(self._read_loop())
-
-    def put(self, item: _Queued) -> None:
-        self.queue.put_nowait(item)
-
-    async def _write_loop(self) -> None:
-        """Send whatever is queued as one batch of messages, in queue order; on a pipelined transport the next
-        batch is posted without waiting for the previous one to complete."""
-        inflight: set[asyncio.Future] = set()
-        try:
-            while True:
-                got = [await self.queue.get()]
-                while not self.queue.empty():
-                    got.append(self.queue.get_nowait())
-                stop = None in got
-                items = _coalesce([i for i in got if i is not None])
-                nbytes = sum(i.nbytes for i in items)
-                if self.broken is not None or not items:
-                    self.budget.release(nbytes)
-                elif self.conn.pipelined and not stop:
-                    task = asyncio.ensure_future(self._send(items, nbytes))
-                    inflight.add(task)
-                    task.add_done_callback(inflight.discard)
-                else:
-                    await asyncio.gather(*inflight)
-                    await self._send(items, nbytes)
-                if stop:
-                    await asyncio.gather(*inflight)
-                    return
-        finally:
-            for t in inflight:
-                t.cancel()
-
-    async def _send(self, items: list[_Queued], nbytes: int) -> None:
-        try:
-            for i in items:
-                if i.ready is not None:  # a layer is announced only once the GPU has written it
-                    await asyncio.to_thread(i.ready.synchronize)
-            await asyncio.wait_for(self.conn.send_many([(i.message, i.payloads) for i in items]), self.timeout)
-        except PeerDisconnected as e:
-            self.fail(PeerDisconnected(f"sending KV to {self.address} failed: {e!r}"))
-        except TimeoutError:
-            self.fail(TransferTimeout(f"receiver {self.address} did not take KV for {self.timeout:.1f}s"))
-        finally:
-            self.budget.release(nbytes)
-
-    async def _read_loop(self) -> None:
-        try:
-            while True:
-                msg = await self.conn.recv()
-                req = self.requests.get(msg.req) if isinstance(msg, (Done, Error)) else None
-                if req is None or req.done.done():
-                    continue
-                if isinstance(msg, Done):
-                    now = time.perf_counter()
-                    req.stats.seconds = now - (req.first or req.started)
-                    req.stats.tail_seconds = now - (req.last or req.started)
-                    req.done.set_result(req.stats)
-                elif isinstance(msg, Error):
-                    req.done.set_exception(TransferError(f"receiver refused request {req.request_id}: {msg.error}"))
-        except TransferError as e:
-            self.fail(e)
-
-    def fail(self, error: TransferError) -> None:
-        """The connection is unusable: fail every request on it; the owner forgets it and closes it."""
-        if self.broken is not None:
-            return
-        self.broken = error
-        log.warning("KV connection to %s failed: %s", self.address, error)
-        for req in list(self.requests.values()):
-            if not req.done.done():
-                req.done.set_exception(error)
-                req.done.exception()
-        self.on_broken(self)
-
-    async def drain(self, timeout: float) -> None:
-        """Let the writer send what is queued plus a goodbye, then stop it."""
-        self.put(_Queued(Bye()))
-        self.queue.put_nowait(None)
-        try:
-            await asyncio.wait_for(asyncio.shield(self.writer), timeout)
-        except TimeoutError:
-            pass
-
-    async def close(self) -> None:
-        for t in (self.writer, self.reader):
-            t.cancel()
-        await asyncio.gather(self.writer, self.reader, return_exceptions=True)
-        while not self.queue.empty():
-            item = self.queue.get_nowait()
-            if item is not None:
-                self.budget.release(item.nbytes)
-        if self.read_by is not None:
-            self.read_by.serving(-1)
-            self.read_by = None
-        await self.conn.close()
-
-
-def _coalesce(items: list[_Queued]) -> list[_Queued]:
-    """Merge queued layer messages of the same request into one message (fewer round trips at the receiver)."""
-    out: list[_Queued] = []
-    for item in items:
-        prev = out[-1].message if out else None
-        msg = item.message
-        if isinstance(prev, Layer) and isinstance(msg, Layer) and prev.req == msg.req:
-            out[-1] = _Queued(
-                Layer(msg.req, prev.layers + msg.layers, msg.blocks),
-                out[-1].payloads + item.payloads,
-                out[-1].nbytes + item.nbytes,
-                item.ready or out[-1].ready,  # one stream: the later event implies the earlier
-            )
-        else:
-            out.append(item)
-    return out
 
 
 class KVSender:
@@ -248,12 +74,12 @@ class KVSender:
         self.transport = transport
         self.timeout = timeout
         self.on_complete = on_complete
-        self._budget = _ByteBudget(max_inflight_bytes)
-        self._peers: dict[str, _Peer] = {}
+        self._budget = ByteBudget(max_inflight_bytes)
+        self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
-        self._requests: dict[str, _Outgoing] = {}
+        self._requests: dict[str, Outgoing] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._handoff: list[tuple[_Peer, _Queued]] = []  # queued from other threads, for the loop to take
+        self._handoff: list[tuple[Peer, Queued]] = []  # queued from other threads, for the loop to take
         self._handoff_lock = threading.Lock()
         self._handoff_scheduled = False
         self._closing: set[asyncio.Future] = set()
@@ -267,7 +93,7 @@ class KVSender:
             return
         await self._peer(address)
 
-    async def _peer(self, address: str) -> _Peer:
+    async def _peer(self, address: str) -> Peer:
         peer = self._peers.get(address)
         if peer is not None:
             return peer
@@ -302,11 +128,11 @@ class KVSender:
             read_by = self.registered if reply.plane == ONE_SIDED and self.registered is not None else None
             if read_by is not None:
                 read_by.serving(+1)
-            peer = _Peer(address, conn, self._budget, self.timeout, self._forget_peer, read_by)
+            peer = Peer(address, conn, self._budget, self.timeout, self._forget_peer, read_by)
             self._peers[address] = peer
             return peer
 
-    def _forget_peer(self, peer: _Peer) -> None:
+    def _forget_peer(self, peer: Peer) -> None:
         """A connection broke: new transfers open another one; this one is closed in the background."""
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
@@ -327,7 +153,7 @@ class KVSender:
         self._loop = asyncio.get_running_loop()
         runs = runs_of(list(src_block_ids)) if peer.read_by is not None else []
         one_sided = 0 < len(runs) <= MAX_SRC  # blocks too scattered to name in one header go staged
-        req = _Outgoing(
+        req = Outgoing(
             request_id,
             peer,
             list(src_block_ids),
@@ -345,7 +171,7 @@ class KVSender:
         )
         peer.requests[request_id] = req
         self._requests[request_id] = req
-        peer.put(_Queued(Begin(request_id, len(src_block_ids), secret, req.stats.trace, runs if one_sided else [])))
+        peer.put(Queued(Begin(request_id, len(src_block_ids), secret, req.stats.trace, runs if one_sided else [])))
 
     def send_layer(self, request_id: str, layer: int) -> None:
         """Queue layer `layer` of a begun request. Thread-safe; call it right after the layer's KV is written."""
@@ -365,7 +191,7 @@ class KVSender:
             if self.cache.is_cuda:
                 ready = torch.cuda.Event()
                 ready.record()
-            self._post(req, _Queued(Layer(request_id, [layer], len(req.src_block_ids)), ready=ready))
+            self._post(req, Queued(Layer(request_id, [layer], len(req.src_block_ids)), ready=ready))
             return
         kv_layer = self.cache[layer]
         if req.src_run is not None:
@@ -376,9 +202,9 @@ class KVSender:
             packed = to_host(packed)
         k, v = packed[0], packed[1]
         self._budget.acquire(nbytes, block=_running_loop() is not self._loop)
-        self._post(req, _Queued(Layer(request_id, [layer], len(req.src_block_ids)), (as_bytes(k), as_bytes(v)), nbytes))
+        self._post(req, Queued(Layer(request_id, [layer], len(req.src_block_ids)), (as_bytes(k), as_bytes(v)), nbytes))
 
-    def _post(self, req: _Outgoing, item: _Queued) -> None:
+    def _post(self, req: Outgoing, item: Queued) -> None:
         """Queue an item on the request's connection, from the loop or from any thread."""
         if _running_loop() is self._loop:
             req.peer.put(item)
@@ -407,7 +233,7 @@ class KVSender:
             stats = await asyncio.wait_for(asyncio.shield(req.done), self.timeout)
         except TimeoutError:
             if req.peer.broken is None:  # the receiver stops too (and stops reading these blocks) rather than time out
-                req.peer.put(_Queued(Abort(request_id, "the sender gave up waiting for the acknowledgement")))
+                req.peer.put(Queued(Abort(request_id, "the sender gave up waiting for the acknowledgement")))
             raise TransferTimeout(
                 f"receiver {req.peer.address} did not confirm request {request_id} within {self.timeout:.1f}s"
             ) from None
@@ -427,9 +253,9 @@ class KVSender:
             req.done.exception()
         self._forget(req)
         if req.peer.broken is None:
-            req.peer.put(_Queued(Abort(request_id, reason[:MAX_ERROR])))
+            req.peer.put(Queued(Abort(request_id, reason[:MAX_ERROR])))
 
-    def _forget(self, req: _Outgoing) -> None:
+    def _forget(self, req: Outgoing) -> None:
         self._requests.pop(req.request_id, None)
         req.peer.requests.pop(req.request_id, None)
 

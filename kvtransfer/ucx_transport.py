@@ -24,6 +24,7 @@ import socket
 import struct
 import sys
 from collections.abc import Awaitable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +64,7 @@ _HELLO = struct.Struct("!5sQI")  # magic, the tag this side receives on, length 
 _MAX_ADDRESS = 64 << 10
 
 
-def _ucxx():
+def _ucxx() -> Any:
     for k, v in _UCX_DEFAULTS.items():
         os.environ.setdefault(k, v)
     import ucxx
@@ -72,7 +73,7 @@ def _ucxx():
 
 
 @functools.cache
-def _context():
+def _context() -> Any:
     """ucxx with this process's UCX context made, its progress thread sleeping up to PROGRESS_WAIT_MS."""
     ucxx = _ucxx()
     ctx = ucxx.core._get_ctx()
@@ -82,7 +83,7 @@ def _context():
     return ucxx
 
 
-def _errors():
+def _errors() -> tuple[type[BaseException], ...]:
     ucxx = _ucxx()
     return (ucxx.exceptions.UCXError, ucxx.exceptions.UCXCanceled, ucxx.exceptions.UCXCloseError)
 
@@ -141,7 +142,7 @@ class UCXConnection(Connection):
 
     pipelined = True  # UCX keeps the order of sends posted on one endpoint with one tag; the door is a stream
 
-    def __init__(self, ep, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, ep: Any, peer: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.ep = ep
         self.peer = peer
         self._writer = writer
@@ -187,7 +188,7 @@ class UCXConnection(Connection):
         everything = tasks + [asyncio.ensure_future(m) for m in more]
         try:
             await asyncio.gather(*everything)
-        except (*self._errors, AttributeError, OSError) as e:  # ucxx: AttributeError once the endpoint was aborted
+        except self._errors + (AttributeError, OSError) as e:  # ucxx: AttributeError once the endpoint was aborted
             raise PeerDisconnected(f"UCX connection to {self.peer} failed: {e!r}") from e
         finally:
             for t in everything:
@@ -247,7 +248,7 @@ def _hello(tag: int, address: bytes) -> bytes:
     return _HELLO.pack(_MAGIC, tag, len(address)) + address
 
 
-async def _endpoint(peer_address: bytes, send_tag: int, recv_tag: int):
+async def _endpoint(peer_address: bytes, send_tag: int, recv_tag: int) -> Any:
     """A ucxx endpoint to a worker address that sends on the peer's tag and receives on ours."""
     ucxx = _context()
     ep = await ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(peer_address))
@@ -299,7 +300,7 @@ class UCXListener(Listener):
                 conn = UCXConnection(await _endpoint(address, tag, my_tag), peer, reader, writer)
                 writer.write(_hello(my_tag, self._address))
                 await asyncio.wait_for(writer.drain(), HANDSHAKE_TIMEOUT)
-            except (TimeoutError, ProtocolError, OSError, *_errors()) as e:
+            except (TimeoutError, ProtocolError, OSError) + _errors() as e:
                 self.refuse(peer, repr(e))
                 return
             await self._handler(conn)

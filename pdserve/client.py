@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.finish_reason import from_proto
 from pdserve.grpc_server import open_channel
 from pdserve.protos import common_pb2, generation_pb2, generation_pb2_grpc
 from pdserve.security import TLSConfig
@@ -79,9 +80,7 @@ class Client:
             out.token_ids.extend(resp.token_ids)
             out.logprobs.extend(resp.logprobs)
             if resp.finish_reason:
-                out.finish_reason = (
-                    common_pb2.FinishReason.Name(resp.finish_reason).removeprefix("FINISH_REASON_").lower()
-                )
+                out.finish_reason = from_proto(resp.finish_reason) or ""
                 out.prompt_tokens = resp.usage.prompt_tokens
                 out.completion_tokens = resp.usage.completion_tokens
                 out.cached_prompt_tokens = resp.usage.cached_prompt_tokens

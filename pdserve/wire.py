@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.sampler import SampleOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SampleOutput, SamplingParams
 from pdserve.protos import common_pb2, worker_pb2
 
-FINISH_REASONS = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
+if TYPE_CHECKING:
+    from pdserve.engine.engine_core import EngineStats
 
 _OPTIONAL_FIELDS = (
     "max_tokens",
@@ -158,3 +154,24 @@ def result_from_proto(msg: worker_pb2.PrefillResponse, wants_logprobs: bool) -> 
             "tail_seconds": t.tail_seconds,
         },
     )
+
+
+def worker_stats(core: EngineStats, role: str, model: str, requests_total: int, **own: Any) -> dict[str, Any]:
+    """A worker's `GetStats` fields: its engine's pool and queues as both roles report them, with `own` (what a role
+    counts its own way, and its extra fields) over them."""
+    return {
+        "kv_blocks_total": core.kv_blocks_total,
+        "kv_blocks_used": core.kv_blocks_used,
+        "kv_blocks_cached": core.kv_blocks_cached,
+        "block_size": core.block_size,
+        "running": core.running,
+        "waiting": core.waiting,
+        "queued_tokens": core.queued_tokens,
+        "prefix_hit_tokens": core.prefix_hit_tokens,
+        "max_model_len": core.max_model_len,
+        "preemptions_total": core.preemptions_total,
+        "role": role,
+        "model": model,
+        "requests_total": requests_total,
+        **own,
+    }

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.engine.engine_core import EngineStats
+from pdserve.metric_families import TransferMetrics, request_counter
 from pdserve.metrics_server import TOKEN_BUCKETS, TTFT_BUCKETS
 
 
@@ -14,10 +15,7 @@ class PrefillMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "pdserve_prefill_requests", "Finished Prefill requests by outcome.", ["status"], registry=r
-        )
-        self.requests.labels("ok")  # present from the start, so rates begin at zero
+        self.requests = request_counter("prefill", "Finished Prefill requests by outcome.", r)
         self.queue_time = Histogram(
             "pdserve_prefill_queue_time_seconds",
             "Arrival until the first forward step.",
@@ -40,25 +38,7 @@ class PrefillMetrics:
         self.prefix_hit_tokens = Counter(
             "pdserve_prefill_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", registry=r
         )
-        self.transfer_bytes = Counter("pdserve_kv_transfer_sent_bytes", "KV bytes sent to decode workers.", registry=r)
-        self.transfer_seconds = Histogram(
-            "pdserve_kv_transfer_seconds",
-            "Begin of a request's KV transfer until the decode worker acknowledged it.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
-        self.transfers = Counter(
-            "pdserve_kv_transfers_sent",
-            "Acknowledged KV transfers, by the path their blocks took (one-sided, staged, tcp).",
-            ["path"],
-            registry=r,
-        )
-        self.transfer_tail_seconds = Histogram(
-            "pdserve_kv_transfer_tail_seconds",
-            "Last layer queued until the decode worker acknowledged the transfer: what it adds to TTFT.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        )
+        self.transfer = TransferMetrics(sent=True, registry=r)
         self.running = Gauge("pdserve_prefill_requests_running", "Prompts being computed or transferred.", registry=r)
         self.waiting = Gauge("pdserve_prefill_requests_waiting", "Prompts queued.", registry=r)
         self.kv_blocks = Gauge("pdserve_prefill_kv_blocks", "KV blocks by state.", ["state"], registry=r)

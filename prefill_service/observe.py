@@ -6,7 +6,6 @@ ends, and when the request ends; the timings and spans they need live in a `JobW
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -17,6 +16,7 @@ from opentelemetry import trace
 
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
+from pdserve.failures import outcome
 from pdserve.kvtransfer.stats import TransferStats
 from pdserve.logs import REQUEST_LOGGER, log_request
 from pdserve.prefill_service.metrics import PrefillMetrics
@@ -85,10 +85,7 @@ class JobWatch:
         """The transfer ended (with its figures, or an error); safe to call more than once."""
         span, self._transfer = self._transfer, None
         if stats is not None:
-            self.observer.metrics.transfer_bytes.inc(stats.nbytes)
-            self.observer.metrics.transfer_seconds.observe(stats.seconds)
-            self.observer.metrics.transfer_tail_seconds.observe(stats.tail_seconds)
-            self.observer.metrics.transfers.labels(stats.path).inc()
+            self.observer.metrics.transfer.record(stats)
         if span is None:
             return
         if stats is not None:
@@ -108,12 +105,7 @@ class JobWatch:
         span.end()
 
     def end(self, result: PrefillResult | None, error: BaseException | None) -> None:
-        if error is None:
-            status = "ok"
-        elif isinstance(error, asyncio.CancelledError):
-            status = "cancelled"
-        else:
-            status = type(error).__name__
+        status = outcome(error)
         self.observer.metrics.requests.labels(status).inc()
         job = self.job
         fields: dict[str, object] = {"prompt_tokens": job.num_prompt_tokens, "tokens": len(job.token_ids)}

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.config import PrefillConfig
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import InvalidParameter
-from pdserve.errors import status_of
-from pdserve.failure import failure_metadata
+from pdserve.failures import abort
 from pdserve.grpc_server import RunningServer, start_server
-from pdserve.kernels.kv_layout import LayoutMismatch
-from pdserve.kvtransfer.errors import TransferError
 from pdserve.prefill_service.observe import PrefillObserver
 from pdserve.prefill_service.worker import PrefillWorker
 from pdserve.protos import worker_pb2, worker_pb2_grpc
@@ -28,40 +26,38 @@ class PrefillServicer(worker_pb2_grpc.PrefillServiceServicer):
         self.worker = worker
         self.address = address
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
         try:
             result = await self.worker.prefill(job_from_proto(request))
-        except Exception as e:  # noqa: BLE001 - every failure is reported with its status (errors.STATUS)
-            if isinstance(e, (InvalidParameter, LayoutMismatch)):
-                message = str(e)
-            elif isinstance(e, TransferError):
-                message = f"prefill worker {self.address}: KV transfer to {request.kv_target.address} failed: {e}"
-            else:
-                message = f"prefill worker {self.address}: {e}"
-            await context.abort(status_of(e), message, failure_metadata("prefill", self.address, e))
+        except Exception as e:  # noqa: BLE001 - every failure is reported by its row (pdserve.failures)
+            await abort(context, e, "prefill", self.address)
         return result_to_proto(result)
 
-    async def WatchCache(self, request: worker_pb2.WatchCacheRequest, context):
+    async def WatchCache(
+        self, request: worker_pb2.WatchCacheRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.CacheEvent]:
         block_size = self.worker.layout.block_size
         async for snapshot, stored, removed in self.worker.watch_cache():
             yield worker_pb2.CacheEvent(snapshot=snapshot, stored=stored, removed=removed, block_size=block_size)
 
-    async def GetStats(self, request, context) -> worker_pb2.WorkerStats:
+    async def GetStats(
+        self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStats:
         return worker_pb2.WorkerStats(**self.worker.stats())
 
 
 async def serve(
-    cfg: EngineConfig,
-    host: str,
-    port: int,
-    transport: str,
-    tracing: Tracing | None = None,
-    reflection: bool = False,
-    tls: TLSConfig | None = None,
-    kv_plane: str = "auto",
+    cfg: PrefillConfig, engine: EngineConfig, tls: TLSConfig | None, tracing: Tracing
 ) -> tuple[RunningServer, PrefillWorker]:
-    tracing = tracing or Tracing("pdserve-prefill")
-    worker = PrefillWorker(cfg, transport=transport, observer=PrefillObserver(tracing.tracer), kv_plane=kv_plane)
+    host, port = cfg.server.host, cfg.server.port
+    worker = PrefillWorker(
+        engine,
+        transport=cfg.engine.kv_transport,
+        observer=PrefillObserver(tracing.tracer),
+        kv_plane=cfg.engine.kv_plane,
+    )
     try:
         await worker.start()
         running = await start_server(
@@ -72,7 +68,7 @@ async def serve(
             ),
             [worker_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name],
             interceptors=tracing.server_interceptors(),
-            enable_reflection=reflection,
+            enable_reflection=cfg.worker.reflection,
             tls=tls,
             require_client_cert=True,
         )

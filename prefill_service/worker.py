@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore, StepOutput
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.errors import InvalidParameter
 from pdserve.engine.model_runner import LayerHook
-from pdserve.engine.sampler import SampleOutput
-from pdserve.engine.sampling_params import InvalidParameter
+from pdserve.engine.sampling_params import SampleOutput
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.errors import QueueFull, WorkerClosing
+from pdserve.failures import QueueFull, WorkerClosing
 from pdserve.kernels.kv_layout import LayoutMismatch
 from pdserve.kvtransfer.backends import make_transport
 from pdserve.kvtransfer.errors import TransferError
@@ -33,7 +33,7 @@ from pdserve.kvtransfer.sender import KVSender
 from pdserve.prefill_service.metrics import PrefillMetrics
 from pdserve.prefill_service.observe import JobWatch, PrefillObserver
 from pdserve.prefill_service.prefill_time import PrefillTime
-from pdserve.wire import PrefillJob, PrefillResult
+from pdserve.wire import PrefillJob, PrefillResult, worker_stats
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ class PrefillWorker:
         assert out.sample is not None
         self._spawn(self._complete(entry, out.sample))
 
-    def _spawn(self, work) -> None:
+    def _spawn(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
@@ -290,19 +290,12 @@ class PrefillWorker:
 
     def stats(self) -> dict:
         core = self.core.stats()
-        return {
-            "kv_blocks_total": core.kv_blocks_total,
-            "kv_blocks_used": core.kv_blocks_used,
-            "kv_blocks_cached": core.kv_blocks_cached,
-            "block_size": core.block_size,
-            "running": core.running + len(self._finishing),
-            "waiting": core.waiting,
-            "queued_tokens": core.queued_tokens + core.prefilling_tokens,
-            "prefix_hit_tokens": core.prefix_hit_tokens,
-            "max_model_len": core.max_model_len,
-            "preemptions_total": core.preemptions_total,
-            "role": self.role,
-            "model": self.model_name,
-            "requests_total": self.requests_total,
-            "pending_transfers": len(self._finishing),
-        }
+        return worker_stats(
+            core,
+            self.role,
+            self.model_name,
+            self.requests_total,
+            running=core.running + len(self._finishing),  # prompts whose KV is still on its way count as running
+            queued_tokens=core.queued_tokens + core.prefilling_tokens,
+            pending_transfers=len(self._finishing),
+        )

@@ -475,3 +475,46 @@ def test_dtype_auto_is_what_this_cpu_computes_well(tmp_path, monkeypatch, level,
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: flags)
     assert services.model_and_dtype(str(tmp_path), "auto", "cpu")[1] == want
     assert services.model_and_dtype(str(tmp_path), "bfloat16", "cpu")[1] == "bfloat16", "an explicit dtype is kept"
+
+
+def test_every_flag_is_declared_once_by_its_service_configuration():
+    """Each service command's flags are exactly its configuration's options (plus the logging flags every command
+    shares), each declared once, and the configuration the flags build is frozen and typed."""
+    import dataclasses
+
+    from pdserve.config import COMMANDS
+    from pdserve.flags import from_args, leaf_fields
+
+    parser = build_parser()
+    for name, (config, _) in COMMANDS.items():
+        sub = parser.commands[name]
+        dests = [a.dest for a in sub._actions if a.dest not in ("help", "log_level", "log_format")]
+        fields = leaf_fields(config)
+        assert len(fields) == len(set(fields)), f"{name}: an option in two groups"
+        assert sorted(dests) == sorted(fields), name
+        cfg = from_args(config, parser.parse_args([name]))
+        assert isinstance(cfg, config) and dataclasses.fields(cfg)[0].name == "server"
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            cfg.server = None  # type: ignore[misc]
+
+
+def test_up_renders_each_child_from_its_configuration():
+    """`pdserve up`'s children are given argument lists their own parsers read back into the configuration `up`
+    meant: same flags, same values, and the API key never on argv."""
+    from pdserve.cli.up import plan_stack
+    from pdserve.config import COMMANDS, StackConfig
+    from pdserve.flags import from_args
+
+    parser = build_parser()
+    argv = ["up", "--prefill-workers", "2", "--api-key", "sekrit", "--routing", "load", "--threads", "1"]
+    plan = plan_stack(from_args(StackConfig, parser.parse_args(argv)))
+    for child in [*plan.workers, plan.gateway]:
+        assert "sekrit" not in child.argv
+        command = child.argv[0]
+        cfg = from_args(COMMANDS[command][0], parser.parse_args(child.argv))
+        assert f"{cfg.server.host}:{cfg.server.port}" == child.address
+        if command == "gateway":
+            assert cfg.routing.routing == "load" and cfg.prefill.prefill.count(",") == 1
+            assert plan.gateway.env is not None and plan.gateway.env["PDSERVE_API_KEY"] == "sekrit"
+        else:
+            assert cfg.engine.threads == 1

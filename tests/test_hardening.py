@@ -341,15 +341,14 @@ def test_a_service_with_a_ca_but_no_certificate_refuses_to_start(tmp_path):
 
 
 def test_metrics_stay_on_this_host_when_the_api_is_secured():
-    import argparse
-
     from pdserve.cli.services import metrics_host
+    from pdserve.options import ObservabilityOptions, ServerOptions
 
-    args = argparse.Namespace(metrics_host=None, host="0.0.0.0")
-    assert metrics_host(args, secured=True) == "127.0.0.1"
-    assert metrics_host(args, secured=False) == "0.0.0.0"
-    args.metrics_host = "0.0.0.0"
-    assert metrics_host(args, secured=True) == "0.0.0.0"
+    server, observe = ServerOptions("0.0.0.0", 50051), ObservabilityOptions()
+    assert metrics_host(server, observe, secured=True) == "127.0.0.1"
+    assert metrics_host(server, observe, secured=False) == "0.0.0.0"
+    observe = ObservabilityOptions(metrics_host="0.0.0.0")
+    assert metrics_host(server, observe, secured=True) == "0.0.0.0"
 
 
 async def test_a_prefill_worker_refuses_a_prompt_its_backlog_would_start_too_late(tiny_model_dir, monkeypatch):
@@ -360,7 +359,7 @@ async def test_a_prefill_worker_refuses_a_prompt_its_backlog_would_start_too_lat
 
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.errors import QueueFull, status_of
+    from pdserve.failures import QueueFull, of
     from pdserve.prefill_service.worker import PrefillWorker
     from pdserve.wire import PrefillJob
 
@@ -383,7 +382,7 @@ async def test_a_prefill_worker_refuses_a_prompt_its_backlog_would_start_too_lat
         )
         with pytest.raises(QueueFull) as e:
             await worker.prefill(job)
-        assert status_of(e.value) == grpc.StatusCode.RESOURCE_EXHAUSTED and "backlog of 1000 tokens" in str(e.value)
+        assert of(e.value).code == grpc.StatusCode.RESOURCE_EXHAUSTED and "backlog of 1000 tokens" in str(e.value)
         # no alternative: it queues (and fails only on the KV target, which is a hole)
         with pytest.raises(Exception) as e:
             await asyncio.wait_for(worker.prefill(dataclasses.replace(job, transfer_id="t2", may_refuse=False)), 30)
@@ -405,7 +404,7 @@ async def test_a_prompt_still_queued_when_its_transfer_would_expire_is_dropped_n
 
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.sampling_params import SamplingParams
-    from pdserve.errors import QueueFull
+    from pdserve.failures import QueueFull
     from pdserve.kvtransfer.receiver import KVReceiver
     from pdserve.kvtransfer.tcp_transport import TCPTransport
     from pdserve.prefill_service.worker import PrefillWorker

@@ -4,6 +4,8 @@ no cycle, project code is imported only as `pdserve.*`, and nothing imports test
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,8 +38,8 @@ ALLOWED = {
     "protos": {"protos"},
 }
 # single modules a layer may import from a layer it otherwise may not: the gateway checks sampling parameters by the
-# engine's own rules (a plain dataclass; importing it loads no model code)
-EXCEPTIONS = {"gateway": {"pdserve.engine.sampling_params"}}
+# engine's own rules and names the engine's failures (plain classes; importing them loads no model code)
+EXCEPTIONS = {"gateway": {"pdserve.engine.sampling_params", "pdserve.engine.errors"}}
 SUBPACKAGES = set(ALLOWED) - {"core"}
 # where each layer's sources are: the folders at the top of the repository, the CLI inside pdserve/
 FOLDERS = {layer: ROOT / layer for layer in SUBPACKAGES - {"cli"}} | {"cli": ROOT / "pdserve" / "cli"}
@@ -123,3 +125,39 @@ def test_every_package_is_placed() -> None:
     for layer in SUBPACKAGES - {"cli"}:
         link = ROOT / "pdserve" / layer
         assert link.is_symlink() and link.resolve() == (ROOT / layer).resolve(), f"pdserve/{layer} -> ../{layer}"
+
+
+def test_the_gateway_loads_no_torch() -> None:
+    """The gateway only tokenizes and routes: its server, both front doors and the failure table import no torch
+    (nor transformers, which imports it), so its process starts fast and stays small."""
+    code = (
+        "import sys\n"
+        "import pdserve.gateway.server, pdserve.gateway.openai_api, pdserve.failures, pdserve.cli.main\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+SERVICES = ("gateway", "decode_service", "prefill_service", "kvtransfer", "pdserve")  # pdserve: core and the CLI
+
+
+def test_the_services_layer_reads_in_pieces() -> None:
+    """No module of the services layer over 400 lines, no function over 60 (generated stubs aside)."""
+    long = []
+    for folder in SERVICES:
+        paths = (ROOT / folder).rglob("*.py") if folder != "pdserve" else [*(ROOT / "pdserve").glob("*.py")]
+        paths = [*paths, *((ROOT / "pdserve" / "cli").glob("*.py") if folder == "pdserve" else [])]
+        for path in paths:
+            if path.is_symlink() or "_pb2" in path.name:
+                continue
+            text = path.read_text()
+            if text.count("\n") > 400:
+                long.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno:
+                    size = node.end_lineno - node.lineno + 1
+                    if size > 60:
+                        long.append(f"{path.relative_to(ROOT)}: {node.name} is {size} lines")
+    assert not long, "\n".join(long)

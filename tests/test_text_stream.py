@@ -23,14 +23,14 @@ def tok(model_dir) -> Tokenizer:
 @pytest.mark.parametrize("text", TEXTS)
 def test_streamed_text_equals_full_decode_and_never_splits_characters(tok, text):
     ids = tok.encode(text)
-    detok = IncrementalDetokenizer(tok.hf)
+    detok = IncrementalDetokenizer(tok)
     pieces = [detok.add([i]) for i in ids] + [detok.flush()]
     assert "".join(pieces) == tok.decode(ids)
     assert all("\ufffd" not in p for p in pieces)
 
 
 def test_special_tokens_are_not_streamed(tok):
-    detok = IncrementalDetokenizer(tok.hf)
+    detok = IncrementalDetokenizer(tok)
     ids = tok.encode("Done.") + [tok.eos_token_id]
     assert "".join(detok.add([i]) for i in ids) + detok.flush() == "Done."
 

@@ -92,8 +92,8 @@ def test_quantized_at_load_serves_and_names_its_format(tiny_model_dir, fmt):
 
 def test_gguf_needs_a_gguf_model_and_a_cpu(tiny_model_dir):
     from pdserve.cli.errors import CLIError
-    from pdserve.cli.options import EngineOptions
     from pdserve.cli.services import engine_config
+    from pdserve.options import EngineOptions
 
     with pytest.raises(CLIError, match="needs a model that is a .gguf file"):
         engine_config(EngineOptions(model=str(tiny_model_dir), quantization="gguf", kv_cache_memory=8 << 20))

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from pdserve.cli.errors import CLIError
 from pdserve.cli.services import check_quantization, model_and_dtype, tls_config
+from pdserve.flags import from_args
+from pdserve.options import TLSOptions
 
 
 async def stream_completion(address: str, args: argparse.Namespace, out=sys.stdout) -> int:
@@ -28,7 +30,9 @@ async def stream_completion(address: str, args: argparse.Namespace, out=sys.stdo
     start = time.perf_counter()
     first = None
     n = 0
-    async with Client(address, api_key=getattr(args, "api_key", None), tls=tls_config(args)) as client:
+    async with Client(
+        address, api_key=getattr(args, "api_key", None), tls=tls_config(from_args(TLSOptions, args))
+    ) as client:
         try:
             async for resp in client.stream(**kw, **sampling):
                 first = first or time.perf_counter()
@@ -82,7 +86,7 @@ def _generate_local(args: argparse.Namespace) -> int:
         else tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     )
     engine.add_request(ids, params, "cli")
-    detok, stops = IncrementalDetokenizer(tokenizer.hf), StopStringMatcher(args.stop)
+    detok, stops = IncrementalDetokenizer(tokenizer), StopStringMatcher(args.stop)
     start, n = time.perf_counter(), 0
     while engine.has_work and not stops.stopped:
         for step in engine.step():
@@ -120,11 +124,11 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    tls = tls_config(args)
+    tls = tls_config(from_args(TLSOptions, args))
     creds = tls.channel_credentials() if tls is not None else None
     with (
         grpc.secure_channel(args.address, creds, options=tls.channel_options())
-        if creds
+        if creds and tls is not None
         else grpc.insecure_channel(args.address)
     ) as channel:
         try:

@@ -17,32 +17,21 @@ import difflib
 import os
 import re
 import sys
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import NoReturn
 
 from pdserve.cli.clients import cmd_bench, cmd_generate, cmd_health, cmd_traces
 from pdserve.cli.errors import CLIError
-from pdserve.cli.options import (
-    DecodeOptions,
-    DrainOptions,
-    EngineOptions,
-    GatewayOptions,
-    HTTPOptions,
-    LocalPrefillOptions,
-    MigrationOptions,
-    ObservabilityOptions,
-    QueueOptions,
-    RoutingOptions,
-    TLSOptions,
-    UpOptions,
-    add_options,
-)
 from pdserve.cli.planning import add_plan_arguments, cmd_plan, cmd_profile
 from pdserve.cli.services import cmd_gateway, cmd_worker
 from pdserve.cli.up import cmd_up
+from pdserve.config import COMMANDS
 from pdserve.engine.config import QUANTIZATIONS
+from pdserve.flags import add_config, add_options
 from pdserve.kernels import cpu_isa
+from pdserve.options import EngineOptions, TLSOptions
 
 
 def _version() -> str:
@@ -114,21 +103,10 @@ def _logging_args(p: argparse.ArgumentParser, suppress: bool) -> None:
     )
 
 
-def _server_args(p: argparse.ArgumentParser, port: int, metrics_port: int) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address this service binds")
-    p.add_argument("--port", type=int, default=port, help="its gRPC port")
-    add_options(p, ObservabilityOptions, metrics_port=metrics_port)
-    add_options(p, TLSOptions)
-
-
-def _api_key_arg(p: argparse.ArgumentParser, server: bool) -> None:
+def _api_key_arg(p: argparse.ArgumentParser) -> None:
+    """A client's key (the services declare theirs in their configuration)."""
     p.add_argument(
-        "--api-key",
-        default=os.environ.get("PDSERVE_API_KEY"),
-        help="require this key on the public API (gRPC metadata 'authorization: Bearer <key>', HTTP "
-        "'Authorization: Bearer <key>'); default $PDSERVE_API_KEY"
-        if server
-        else "send this API key (default $PDSERVE_API_KEY)",
+        "--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="send this API key (default $PDSERVE_API_KEY)"
     )
     p.add_argument(
         "--api-key-file",
@@ -180,47 +158,24 @@ def build_parser() -> argparse.ArgumentParser:
         parser.commands[name] = p
         return p
 
-    up = command("up", "start gateway + prefill + decode workers on this machine (runs in the foreground)")
-    add_options(up, EngineOptions)
-    _server_args(up, 50051, 9400)
-    for options in (UpOptions, HTTPOptions, RoutingOptions, MigrationOptions, LocalPrefillOptions):
-        add_options(up, options)
-    _api_key_arg(up, server=True)
-
-    gw = command("gateway", "the public gRPC API and the OpenAI-compatible HTTP API")
-    gw.add_argument(
-        "--model",
-        default=os.environ.get("PDSERVE_MODEL", "default"),
-        help="the model whose tokenizer and chat template to use (default $PDSERVE_MODEL, else 'default'); workers "
-        "serving another model are not routed to",
-    )
-    _server_args(gw, 50051, 9400)
-    for gateway_options in (GatewayOptions, RoutingOptions, MigrationOptions, HTTPOptions):
-        add_options(gw, gateway_options)
-    _api_key_arg(gw, server=True)
-
-    roles = {
+    services = {
+        "up": "start gateway + prefill + decode workers on this machine (runs in the foreground)",
+        "gateway": "the public gRPC API and the OpenAI-compatible HTTP API",
         "prefill": "a prefill worker",
         "decode": "a decode worker",
         "colocated": "a worker that prefills and decodes itself (no KV transfer; the gateway treats it as a "
         "decode worker and needs no --prefill)",
     }
-    for role, text in roles.items():
-        w = command(role, text)
-        add_options(w, EngineOptions)
-        _server_args(w, *((50061, 9401) if role == "prefill" else (50071, 9402)))
-        w.add_argument(
-            "--reflection",
-            action="store_true",
-            help="serve gRPC reflection (off by default: workers are internal services)",
-        )
-        if role == "decode":
-            add_options(w, DecodeOptions)
-            add_options(w, LocalPrefillOptions)
-        if role != "prefill":
-            add_options(w, QueueOptions)
-            add_options(w, DrainOptions)
+    for name, text in services.items():
+        config, defaults = COMMANDS[name]
+        add_config(command(name, text), config, **defaults)
 
+    _tool_commands(command)
+    return parser
+
+
+def _tool_commands(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """The commands that are not services: trace viewer, load generator, health probe, profiler, planner, client."""
     tr = command("traces", "receive OTLP/HTTP traces and print each request's span tree")
     tr.add_argument("--host", default="127.0.0.1", help="address to listen on")
     tr.add_argument("--port", type=int, default=4318, help="OTLP/HTTP port")
@@ -263,17 +218,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _sampling_args(gen)
     add_options(gen, TLSOptions)
-    _api_key_arg(gen, server=False)
-    return parser
+    _api_key_arg(gen)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.engine.sampling_params import InvalidParameter
+    args = build_parser().parse_args(argv)  # first: --help and a mistyped flag answer before any service's imports
+
+    from pdserve.engine.errors import InvalidParameter
     from pdserve.grpc_server import PortInUse
     from pdserve.kvtransfer.errors import ListenFailed
     from pdserve.logs import configure_logging
 
-    args = build_parser().parse_args(argv)
     given = sys.argv[1:] if argv is None else argv
     args.log_level_given = "PDSERVE_LOG_LEVEL" in os.environ or any(a.startswith("--log-level") for a in given)
     configure_logging(args.log_level, args.log_format, args.command)

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from pdserve.cli.errors import CLIError
-from pdserve.cli.options import EngineOptions, from_args
+from pdserve.flags import from_args
+from pdserve.options import EngineOptions
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:

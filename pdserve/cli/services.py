@@ -7,17 +7,24 @@ import asyncio
 import logging
 import math
 import os
-import socket
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.cli.errors import CLIError
-from pdserve.cli.options import DecodeOptions, EngineOptions, LocalPrefillOptions, QueueOptions, from_args
+from pdserve.config import COMMANDS, ColocatedConfig, DecodeConfig, GatewayConfig, PrefillConfig
+from pdserve.flags import from_args
+from pdserve.options import EngineOptions, ObservabilityOptions, ServerOptions, TLSOptions
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from pdserve.decode_service.worker import DecodeWorker
     from pdserve.engine.config import EngineConfig
+    from pdserve.metrics_server import MetricsServer
     from pdserve.prefill_service.worker import PrefillWorker
+    from pdserve.security import TLSConfig
+    from pdserve.tracing import Tracing
 
 log = logging.getLogger("pdserve")
 
@@ -207,36 +214,13 @@ def _default_threads() -> int:
     return threads
 
 
-def routable(host: str) -> str:
-    """An address other hosts can reach: a wildcard bind address becomes this host's own address (its name's, or
-    else the address of the interface its default route uses)."""
-    if host not in ("0.0.0.0", "::", ""):
-        return host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError as e:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                s.connect(("10.255.255.255", 1))  # UDP connect sends nothing; it only picks the route
-                address = s.getsockname()[0]
-            except OSError:
-                address = "127.0.0.1"
-        log.warning("host name %s does not resolve (%s); advertising %s", socket.gethostname(), e, address)
-        return address
-
-
-def tls_config(args: argparse.Namespace, serving: bool = False):
+def tls_config(options: TLSOptions, serving: bool = False) -> TLSConfig | None:
     """The TLS files the flags name (None when TLS is off), checked before anything starts. A service
     (`serving`) given a CA but no certificate of its own is refused: it would serve plaintext while its peers
     expect TLS."""
     from pdserve.security import TLSConfig
 
-    tls = TLSConfig(
-        getattr(args, "tls_cert", None),
-        getattr(args, "tls_key", None),
-        getattr(args, "tls_ca", None),
-        getattr(args, "tls_server_name", None),
-    )
+    tls = TLSConfig(options.tls_cert, options.tls_key, options.tls_ca, options.tls_server_name)
     try:
         tls.check()
     except ValueError as e:
@@ -246,39 +230,41 @@ def tls_config(args: argparse.Namespace, serving: bool = False):
     return tls if (tls.enabled or tls.ca) else None
 
 
-def metrics_host(args: argparse.Namespace, secured: bool) -> str:
+def metrics_host(server: ServerOptions, observe: ObservabilityOptions, secured: bool) -> str:
     """Where /metrics binds: --metrics-host; else, for a service whose API is secured (TLS, an API key), only
     this host (plaintext, unauthenticated figures stay off the network unless asked for); else --host."""
-    if args.metrics_host:
-        return args.metrics_host
-    return "127.0.0.1" if secured else args.host
+    if observe.metrics_host:
+        return observe.metrics_host
+    return "127.0.0.1" if secured else server.host
 
 
-def _tracing(args: argparse.Namespace):
+def _tracing(command: str, server: ServerOptions, observe: ObservabilityOptions) -> Tracing:
     from pdserve.tracing import Tracing, TracingConfig
 
-    config = TracingConfig(args.otlp_endpoint, args.otlp_protocol, args.trace_sample_ratio)
-    return Tracing(f"pdserve-{args.command}", config, instance=f"{args.host}:{args.port}")
+    config = TracingConfig(observe.otlp_endpoint, observe.otlp_protocol, observe.trace_sample_ratio)
+    return Tracing(f"pdserve-{command}", config, instance=f"{server.host}:{server.port}")
 
 
-def _metrics_server(args: argparse.Namespace, registry, secured: bool):
+def _metrics_server(
+    server: ServerOptions, observe: ObservabilityOptions, registry: CollectorRegistry, secured: bool
+) -> MetricsServer | None:
     from pdserve.metrics_server import MetricsServer
 
-    if args.metrics_port < 0:
+    if observe.metrics_port < 0:
         return None
-    host = metrics_host(args, secured)
+    host = metrics_host(server, observe, secured)
     try:
-        server = MetricsServer(registry, host, args.metrics_port).start()
+        metrics = MetricsServer(registry, host, observe.metrics_port).start()
     except OSError as e:
-        raise CLIError(f"cannot serve /metrics on {host}:{args.metrics_port}: {e.strerror or e}") from None
-    if secured and not args.metrics_host:
-        log.info("metrics on %s (this host only: the API is secured; --metrics-host exposes them)", server.url)
+        raise CLIError(f"cannot serve /metrics on {host}:{observe.metrics_port}: {e.strerror or e}") from None
+    if secured and not observe.metrics_host:
+        log.info("metrics on %s (this host only: the API is secured; --metrics-host exposes them)", metrics.url)
     else:
-        log.info("metrics on %s", server.url)
-    return server
+        log.info("metrics on %s", metrics.url)
+    return metrics
 
 
-def _run(main) -> int:
+def _run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
     from pdserve.grpc_server import install_uvloop
 
     install_uvloop()
@@ -288,68 +274,41 @@ def _run(main) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from pdserve.grpc_server import serve_until_signal
 
-    engine = from_args(EngineOptions, args)
-    cfg = engine_config(engine)
-    tls = tls_config(args, serving=True)
-    if engine.kv_transport == "ucx" and args.command != "colocated":
+    command = args.command
+    options: PrefillConfig | DecodeConfig | ColocatedConfig = from_args(COMMANDS[command][0], args)
+    cfg: PrefillConfig | DecodeConfig = options.as_decode() if isinstance(options, ColocatedConfig) else options
+    engine = engine_config(cfg.engine)
+    tls = tls_config(cfg.tls, serving=True)
+    if cfg.engine.kv_transport == "ucx" and command != "colocated":
         from pdserve.kvtransfer.ucx_transport import restrict_to
 
-        restrict_to(args.host, engine.kv_data_ports)
+        restrict_to(cfg.server.host, cfg.engine.kv_data_ports)
 
     async def main() -> int:
-        tracing = _tracing(args)
+        tracing = _tracing(command, cfg.server, cfg.observability)
         clients = None
         worker: PrefillWorker | DecodeWorker
-        if args.command == "prefill":
+        if isinstance(cfg, PrefillConfig):
             from pdserve.prefill_service.server import serve as serve_prefill
 
-            running, worker = await serve_prefill(
-                cfg,
-                args.host,
-                args.port,
-                args.kv_transport,
-                tracing=tracing,
-                reflection=args.reflection,
-                tls=tls,
-                kv_plane=engine.kv_plane,
-            )
+            running, worker = await serve_prefill(cfg, engine, tls, tracing)
         else:
             from pdserve.decode_service.server import serve as serve_decode
 
-            colocated = args.command == "colocated"
-            decode = DecodeOptions() if colocated else from_args(DecodeOptions, args)
-            local = LocalPrefillOptions(0) if colocated else from_args(LocalPrefillOptions, args)
-            running, worker, clients = await serve_decode(
-                cfg,
-                args.host,
-                args.port,
-                args.kv_transport,
-                "" if colocated else routable(decode.kv_host or args.host),
-                kv_port=decode.kv_port,
-                kv_bind=args.host,
-                max_queued=from_args(QueueOptions, args).max_queued,
-                tracing=tracing,
-                colocated=colocated,
-                reflection=args.reflection,
-                tls=tls,
-                allowed_prefill=[a for a in decode.prefill.split(",") if a],
-                local_prefill_max_tokens=local.local_prefill_max_tokens,
-                threads_while_prefilling=decode.threads_while_prefilling,
-                kv_plane=engine.kv_plane,
-            )
-        metrics = _metrics_server(args, worker.metrics.registry, tls is not None)
-        print(f"pdserve {args.command} ready on {args.host}:{running.port}", flush=True)
+            running, worker, clients = await serve_decode(cfg, engine, tls, tracing, command == "colocated")
+        metrics = _metrics_server(cfg.server, cfg.observability, worker.metrics.registry, tls is not None)
+        print(f"pdserve {command} ready on {cfg.server.host}:{running.port}", flush=True)
 
         async def stop() -> None:
             from pdserve.kvtransfer.backends import shutdown_transports
 
             await worker.close()  # new requests are refused by name; those in flight finish
-            if args.command == "prefill":
+            if isinstance(cfg, PrefillConfig):
                 await running.server.stop(grace=30)
             else:
                 from pdserve.decode_service.server import drain
 
-                await drain(running, worker, args.drain_grace)  # type: ignore[arg-type]
+                await drain(running, worker, cfg.drain.drain_grace)  # type: ignore[arg-type]
             await worker.stop()
             if clients is not None:
                 await clients.close()
@@ -370,49 +329,27 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from pdserve.engine.model_store import resolve_model
-    from pdserve.gateway.openai_api import HTTPLimits
     from pdserve.gateway.server import serve
     from pdserve.grpc_server import serve_until_signal
 
-    path = resolve_model(args.model)
-    tls = tls_config(args)
+    cfg = from_args(GatewayConfig, args)
+    model_dir = resolve_model(cfg.model.model)
+    tls = tls_config(cfg.tls)
     if tls is not None and not tls.enabled:
         log.warning("--tls-ca without --tls-cert: calls to workers use TLS, but the public port serves plaintext")
-    prefill = [a for a in args.prefill.split(",") if a]
-    decode = [a for a in args.decode.split(",") if a]
-    if not decode:
+    if not cfg.gateway.decode_addresses:
         raise CLIError("give the decode workers with --decode host:port[,host:port...] (or $PDSERVE_DECODE)")
+    secured = tls is not None or bool(cfg.api_key.api_key)
 
     async def main() -> int:
         from pdserve.gateway.metrics import GatewayMetrics
 
-        tracing, gateway_metrics = _tracing(args), GatewayMetrics()
-        running, router, request_path, http = await serve(
-            path,
-            args.host,
-            args.port,
-            prefill,
-            decode,
-            args.ready_timeout,
-            tracing=tracing,
-            metrics=gateway_metrics,
-            discover=args.discover,
-            poll_interval=args.poll_interval,
-            tls=tls,
-            api_key=args.api_key,
-            max_prompt_bytes=args.max_prompt_bytes,
-            http_host=args.http_host,
-            http_limits=HTTPLimits(args.http_max_body, args.http_header_timeout, 30.0, args.http_max_connections),
-            http_port=args.http_port,
-            kv_aware=args.routing == "kv-aware",
-            overlap_weight=args.overlap_weight,
-            migration_limit=args.migration_limit,
-            migration_max_tokens=args.migration_max_tokens,
-            worker_wait=args.worker_wait,
-        )
-        metrics = _metrics_server(args, gateway_metrics.registry, tls is not None or bool(args.api_key))
+        tracing, gateway_metrics = _tracing("gateway", cfg.server, cfg.observability), GatewayMetrics()
+        running, router, request_path, http = await serve(cfg, model_dir, tls, tracing, gateway_metrics)
+        metrics = _metrics_server(cfg.server, cfg.observability, gateway_metrics.registry, secured)
         print(
-            f"pdserve gateway ready on {args.host}:{running.port}" + (f", OpenAI API on {http.url}" if http else ""),
+            f"pdserve gateway ready on {cfg.server.host}:{running.port}"
+            + (f", OpenAI API on {http.url}" if http else ""),
             flush=True,
         )
 

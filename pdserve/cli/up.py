@@ -17,24 +17,27 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 from pdserve.cli.clients import stream_completion
 from pdserve.cli.errors import CLIError
-from pdserve.cli.options import (
-    DecodeOptions,
-    EngineOptions,
-    HTTPOptions,
-    LocalPrefillOptions,
-    MigrationOptions,
-    ObservabilityOptions,
-    RoutingOptions,
-    TLSOptions,
-    UpOptions,
-    from_args,
-    to_argv,
-)
 from pdserve.cli.services import engine_config, tls_config, usable_cpus
+from pdserve.config import ColocatedConfig, DecodeConfig, GatewayConfig, PrefillConfig, StackConfig
+from pdserve.flags import from_args, to_argv
+from pdserve.options import (
+    DecodeOptions,
+    DrainOptions,
+    EngineOptions,
+    GatewayOptions,
+    ObservabilityOptions,
+    PrefillWorkersOptions,
+    QueueOptions,
+    ServerOptions,
+    TokenizerOptions,
+    UpOptions,
+    WorkerOptions,
+)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -136,63 +139,83 @@ def _threads(engine: EngineOptions, up: UpOptions) -> tuple[int, int, int]:
     return cores, prefill, decode
 
 
-def plan_stack(args: argparse.Namespace) -> StackPlan:
-    """Every child's arguments, from the same option dataclasses the parser was built from."""
-    engine, up = from_args(EngineOptions, args), from_args(UpOptions, args)
-    observe, http = from_args(ObservabilityOptions, args), from_args(HTTPOptions, args)
-    secure = to_argv(from_args(TLSOptions, args))
+def plan_stack(cfg: StackConfig) -> StackPlan:
+    """Every child's configuration, rendered as its argument list: the same dataclasses the parser was built from."""
+    host, up, observe = cfg.server.host, cfg.up, cfg.observability
     if up.colocated:
-        up.prefill_workers = 0
+        up = replace(up, prefill_workers=0)
     if up.decode_workers < 1 or up.prefill_workers < 0:
         raise CLIError("--decode-workers must be >= 1 and --prefill-workers >= 0")
-    prefill = [f"{args.host}:{up.prefill_port + i}" for i in range(up.prefill_workers)]
-    decode = [f"{args.host}:{up.decode_port + i}" for i in range(up.decode_workers)]
+    prefill = [f"{host}:{up.prefill_port + i}" for i in range(up.prefill_workers)]
+    decode = [f"{host}:{up.decode_port + i}" for i in range(up.decode_workers)]
     n = len(prefill) + len(decode)
     metric_ports = list(range(observe.metrics_port, observe.metrics_port + 1 + n)) if observe.metrics_port >= 0 else []
-    metrics = iter(metric_ports[1:] + [-1] * (1 + n))
-    cores, prefill_threads, decode_threads = _threads(engine, up)
-
-    def worker(role: str, address: str, threads: int, *own: str) -> Child:
-        host, port = address.rsplit(":", 1)
-        argv = [role, "--host", host, "--port", port, *to_argv(engine, threads=threads)]
-        return Child(f"{role} worker", address, [*argv, *to_argv(observe, metrics_port=next(metrics)), *secure, *own])
-
-    role, own = "colocated", []
-    if not up.colocated:
-        # a prefill worker on the same cores: the decode workers make room for it while it computes
-        share = max(1, decode_threads - prefill_threads) if prefill_threads + decode_threads > cores else None
-        role = "decode"
-        own = to_argv(DecodeOptions(prefill=",".join(prefill), threads_while_prefilling=share))
-        own += to_argv(from_args(LocalPrefillOptions, args))
-    workers = [worker("prefill", a, prefill_threads) for a in prefill]
-    workers += [worker(role, a, decode_threads, *own) for a in decode]
-    gateway = Child(
+    workers = _workers(cfg, up, prefill, decode, iter(metric_ports[1:] + [-1] * (1 + n)))
+    gateway = GatewayConfig(
+        cfg.server,
+        TokenizerOptions(cfg.engine.model),
+        PrefillWorkersOptions(",".join(prefill)),
+        GatewayOptions(decode=",".join(decode)),
+        cfg.routing,
+        cfg.migration,
+        cfg.http,
+        replace(observe, metrics_port=metric_ports[0] if metric_ports else -1),
+        cfg.tls,
+        cfg.api_key,
+    )
+    key = cfg.api_key.api_key
+    gateway_child = Child(
         "gateway",
-        f"{args.host}:{args.port}",
-        [
-            "gateway",
-            "--model",
-            engine.model,
-            "--host",
-            args.host,
-            "--port",
-            str(args.port),
-            "--prefill",
-            ",".join(prefill),
-            "--decode",
-            ",".join(decode),
-            *to_argv(observe, metrics_port=metric_ports[0] if metric_ports else -1),
-            *secure,
-            *to_argv(http),
-            *to_argv(from_args(RoutingOptions, args)),
-            *to_argv(from_args(MigrationOptions, args)),
-        ],
-        {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None,
-    )  # not on argv: ps shows it
-    ports = [("gateway", args.port)] + ([("HTTP API", http.http_port)] if http.http_port >= 0 else [])
+        f"{host}:{cfg.server.port}",
+        ["gateway", *to_argv(gateway, api_key=None, api_key_file=None)],  # the key never on argv, where ps shows it
+        {**os.environ, "PDSERVE_API_KEY": key} if key else None,
+    )
+    ports = [("gateway", cfg.server.port)] + ([("HTTP API", cfg.http.http_port)] if cfg.http.http_port >= 0 else [])
     ports += [(c.role, int(c.address.rsplit(":", 1)[1])) for c in workers]
     ports += [("metrics", p) for p in metric_ports]
-    return StackPlan(workers, gateway, ports, metric_ports)
+    return StackPlan(workers, gateway_child, ports, metric_ports)
+
+
+def _workers(
+    cfg: StackConfig, up: UpOptions, prefill: list[str], decode: list[str], metrics: Iterator[int]
+) -> list[Child]:
+    """The workers' children: prefill workers, then decode (or colocated) workers, each on its own metrics port."""
+    cores, prefill_threads, decode_threads = _threads(cfg.engine, up)
+    worker = WorkerOptions()
+
+    def common(address: str, threads: int) -> tuple[ServerOptions, EngineOptions]:
+        h, port = address.rsplit(":", 1)
+        return ServerOptions(h, int(port)), replace(cfg.engine, threads=threads)
+
+    def observed() -> ObservabilityOptions:
+        return replace(cfg.observability, metrics_port=next(metrics))
+
+    children = []
+    for a in prefill:
+        config = PrefillConfig(*common(a, prefill_threads), worker, observed(), cfg.tls)
+        children.append(Child("prefill worker", a, ["prefill", *to_argv(config)]))
+    # a prefill worker on the same cores: the decode workers make room for it while it computes
+    share = max(1, decode_threads - prefill_threads) if prefill_threads + decode_threads > cores else None
+    for a in decode:
+        server, engine = common(a, decode_threads)
+        if up.colocated:
+            colocated = ColocatedConfig(server, engine, worker, QueueOptions(), DrainOptions(), observed(), cfg.tls)
+            children.append(Child("colocated worker", a, ["colocated", *to_argv(colocated)]))
+            continue
+        decode_cfg = DecodeConfig(
+            server,
+            engine,
+            worker,
+            DecodeOptions(threads_while_prefilling=share),
+            PrefillWorkersOptions(",".join(prefill)),
+            cfg.local_prefill,
+            QueueOptions(),
+            DrainOptions(),
+            observed(),
+            cfg.tls,
+        )
+        children.append(Child("decode worker", a, ["decode", *to_argv(decode_cfg)]))
+    return children
 
 
 class _Processes:
@@ -239,15 +262,16 @@ def _raise_exit(signum: int, frame: object) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from pdserve.engine.model_store import needs_conversion
 
-    engine, up = from_args(EngineOptions, args), from_args(UpOptions, args)
-    if needs_conversion(engine.model):
+    cfg = from_args(StackConfig, args)
+    if needs_conversion(cfg.engine.model):
         print("pdserve up: converting the model for first use (once; about 20 s)...", file=sys.stderr, flush=True)
-    plan = plan_stack(args)
-    engine_config(engine, copies=len(plan.workers))  # model, dtype, KV budget: checked before anything starts
-    tls = tls_config(args, serving=True)
-    _check_ports_free(args.host, plan.ports)
+    plan = plan_stack(cfg)
+    engine_config(cfg.engine, copies=len(plan.workers))  # model, dtype, KV budget: checked before anything starts
+    tls = tls_config(cfg.tls, serving=True)
+    _check_ports_free(cfg.server.host, plan.ports)
     # an answer on this terminal (--prompt) is not interleaved with the services' INFO lines, unless asked for
-    level = args.log_level if up.prompt is None or getattr(args, "log_level_given", True) else "WARNING"
+    prompt = cfg.up.prompt
+    level = args.log_level if prompt is None or getattr(args, "log_level_given", True) else "WARNING"
     children = _Processes([sys.executable, "-m", "pdserve.cli", "--log-level", level, "--log-format", args.log_format])
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_exit)
@@ -255,11 +279,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         asyncio.run(_wait_serving([children.spawn(c) for c in plan.workers], timeout=600, tls=tls))
         asyncio.run(_wait_serving([children.spawn(plan.gateway)], timeout=120, tls=tls))
-        _say_up(args, plan, time.perf_counter() - t0)
-        if up.prompt:
-            asyncio.run(stream_completion(plan.gateway.address, _prompt_args(args, up.prompt)))
+        _say_up(cfg, plan, time.perf_counter() - t0)
+        if prompt:
+            asyncio.run(stream_completion(plan.gateway.address, _prompt_args(cfg, prompt)))
             print(f"[first answer {time.perf_counter() - t0:.1f}s after start]", file=sys.stderr)
-            if up.exit_after_prompt:
+            if cfg.up.exit_after_prompt:
                 return 0
         print("serving; Ctrl-C stops", flush=True)
         while True:
@@ -271,29 +295,26 @@ def cmd_up(args: argparse.Namespace) -> int:
         children.stop()
 
 
-def _say_up(args: argparse.Namespace, plan: StackPlan, seconds: float) -> None:
+def _say_up(cfg: StackConfig, plan: StackPlan, seconds: float) -> None:
     prefill = [c.address for c in plan.workers if c.role == "prefill worker"]
     decode = [c.address for c in plan.workers if c.role != "prefill worker"]
     print(
         f"pdserve is up: gateway {plan.gateway.address}, prefill {prefill}, decode {decode} ({seconds:.1f}s)",
         flush=True,
     )
-    http = from_args(HTTPOptions, args)
+    host, http = cfg.server.host, cfg.http
     if http.http_port >= 0:
-        print(f"OpenAI-compatible API: http://{http.http_host or args.host}:{http.http_port}/v1", flush=True)
+        print(f"OpenAI-compatible API: http://{http.http_host or host}:{http.http_port}/v1", flush=True)
     if plan.metric_ports:
         ports = plan.metric_ports
         roles = " and ".join(f"{role}s" for role in dict.fromkeys(c.role for c in plan.workers))
         span = f"port {ports[1]}" if len(ports) == 2 else f"ports {ports[1]}-{ports[-1]}"
-        print(
-            f"metrics: http://{args.metrics_host or args.host}:{ports[0]}/metrics (gateway), {span} ({roles})",
-            flush=True,
-        )
+        where = cfg.observability.metrics_host or host
+        print(f"metrics: http://{where}:{ports[0]}/metrics (gateway), {span} ({roles})", flush=True)
 
 
-def _prompt_args(args: argparse.Namespace, prompt: str) -> argparse.Namespace:
+def _prompt_args(cfg: StackConfig, prompt: str) -> argparse.Namespace:
     """What `pdserve generate` would be given for the answer `up --prompt` prints."""
-    tls = from_args(TLSOptions, args)
     return argparse.Namespace(
         prompt=prompt,
         max_tokens=256,
@@ -302,6 +323,6 @@ def _prompt_args(args: argparse.Namespace, prompt: str) -> argparse.Namespace:
         seed=None,
         stop=[],
         raw=False,
-        api_key=args.api_key,
-        **vars(tls),
+        api_key=cfg.api_key.api_key,
+        **vars(cfg.tls),
     )

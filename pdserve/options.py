@@ -1,154 +1,17 @@
-"""Every flag of the `pdserve` commands, declared once: one dataclass of options per concern, from which both the
-parser (`add_options`) and the argument lists `pdserve up` gives its children (`to_argv`) are made, so a flag,
-its default and its help text exist in one place. The engine's defaults are `EngineConfig`'s own.
-"""
+"""Every flag of the `pdserve` commands, declared once: one frozen dataclass of options per concern (`pdserve.flags`
+makes each field a flag). The engine's defaults are `EngineConfig`'s own. Nothing here imports torch."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import os
-import typing
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from pdserve.engine.config import QUANTIZATIONS, EngineConfig
+from pdserve.flags import option, parse_count, parse_port_range, parse_seconds, parse_size
 
 _ENGINE = EngineConfig()
 
 
-def parse_size(text: str) -> int:
-    """'512M', '2G', '1.5GiB', '4096' -> bytes."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    raw = text
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if text and text[-1] in units:
-            return int(float(text[:-1]) * units[text[-1]])
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a size (e.g. 512M, 2G)") from None
-
-
-def parse_count(text: str) -> int:
-    """'3' -> 3; a negative number or a non-number is refused by name."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative") from None
-    return value
-
-
-def parse_seconds(text: str) -> float:
-    """'5', '0.5' -> seconds; negative or not a number is refused by name."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a non-negative number of seconds") from None
-    return value
-
-
-def parse_port_range(text: str) -> str:
-    """'20000-20099' (or one port) -> itself, checked."""
-    lo, _, hi = text.strip().partition("-")
-    try:
-        low, high = int(lo), int(hi or lo)
-    except ValueError:
-        low = high = 0
-    if not 1 <= low <= high <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port range LO-HI (1..65535)")
-    return f"{low}-{high}"
-
-
-def format_size(n: int) -> str:
-    """536870912 -> '512M': the form parse_size reads."""
-    for unit, size in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
-
-
-def option(
-    default: Any,
-    help: str,
-    *,
-    flag: str = "",
-    choices: tuple[str, ...] = (),
-    env: tuple[str, ...] = (),
-    parse: typing.Callable[[str], Any] | None = None,
-    negate: bool = False,
-) -> Any:
-    """A dataclass field that is also a command-line flag. `env`: variables that override the default (the first
-    one set); `negate`: a bool that is True by default and turned off by `flag` (e.g. --no-prefix-caching)."""
-    meta = {"help": help, "flag": flag, "choices": choices, "env": env, "parse": parse, "negate": negate}
-    return field(default=default, metadata=meta)
-
-
-def _flag(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
-
-
-def _kind(hint: Any) -> type:
-    """A field's value type (int, float, str or bool), Optional unwrapped."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
-
-
-def add_options(parser: argparse.ArgumentParser, cls: type, **defaults: Any) -> None:
-    """A flag for every field of `cls` (`defaults` replaces a field's default for this command)."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        meta = f.metadata
-        default = defaults.get(f.name, f.default)
-        kind = _kind(hints[f.name])
-        raw = next((os.environ[name] for name in meta["env"] if os.environ.get(name)), None)
-        if raw is not None:
-            default = raw == "1" if kind is bool else (meta["parse"] or kind)(raw)
-        help = meta["help"]
-        if meta["parse"] is parse_size and isinstance(default, int):
-            help += f" (default: {format_size(default)})"
-        if kind is bool:
-            action = "store_false" if meta["negate"] else "store_true"
-            parser.add_argument(_flag(f), dest=f.name, action=action, default=default, help=help)
-            continue
-        parser.add_argument(
-            _flag(f),
-            dest=f.name,
-            type=meta["parse"] or kind,
-            default=default,
-            choices=meta["choices"] or None,
-            help=help,
-        )
-
-
-def from_args(cls: type, args: argparse.Namespace) -> Any:
-    """The options of `cls` as the parsed flags give them."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
-
-def to_argv(options: Any, **values: Any) -> list[str]:
-    """The flags that give a child process these options (`values` replaces some of them)."""
-    argv: list[str] = []
-    for f in dataclasses.fields(options):
-        value = values.get(f.name, getattr(options, f.name))
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            if value != f.metadata["negate"]:  # a store_true flag that is set, or a negating flag that is off
-                argv.append(_flag(f))
-        else:
-            argv += [_flag(f), str(value)]
-    return argv
-
-
-# ---- what the commands share -------------------------------------------------------------------------------
-
-
-@dataclass
+@dataclass(frozen=True)
 class EngineOptions:
     """One engine (a worker process); the flags of `up`, `prefill`, `decode` and `colocated`."""
 
@@ -210,7 +73,7 @@ class EngineOptions:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ObservabilityOptions:
     metrics_port: int = option(
         9400, "HTTP port of /metrics (Prometheus); -1 turns it off (up: the gateway's; workers take the next ones)"
@@ -236,7 +99,7 @@ class ObservabilityOptions:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class TLSOptions:
     tls_cert: str | None = option(
         None,
@@ -259,7 +122,7 @@ class TLSOptions:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class HTTPOptions:
     http_port: int = option(
         8000,
@@ -271,12 +134,15 @@ class HTTPOptions:
     http_header_timeout: float = option(
         10.0, "seconds an HTTP client may take to send a request's headers before its connection is closed"
     )
+    http_body_timeout: float = option(
+        30.0, "seconds an HTTP client may take to send a request's body before it gets 408", parse=parse_seconds
+    )
     http_max_connections: int = option(
         0, "HTTP connections open at once; more are closed at once (0: half the process's file-descriptor limit)"
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoutingOptions:
     routing: str = option(
         "kv-aware",
@@ -291,7 +157,7 @@ class RoutingOptions:
 LOCAL_PREFILL_DEFAULT = 128
 
 
-@dataclass
+@dataclass(frozen=True)
 class LocalPrefillOptions:
     local_prefill_max_tokens: int = option(
         LOCAL_PREFILL_DEFAULT,
@@ -301,7 +167,7 @@ class LocalPrefillOptions:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeOptions:
     """A decode worker's own flags, beyond the engine's."""
 
@@ -313,12 +179,6 @@ class DecodeOptions:
         "port of the KV receiver (0: any free port; fix it where a firewall or a Kubernetes "
         "containerPort must name it)",
     )
-    prefill: str = option(
-        "",
-        "comma-separated host:port list (DNS names allowed) of the prefill workers this "
-        "worker may dial; empty: any the gateway names",
-        env=("PDSERVE_PREFILL",),
-    )
     threads_while_prefilling: int | None = option(
         None,
         "torch threads while a prefill worker computes prompts "
@@ -327,7 +187,23 @@ class DecodeOptions:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
+class PrefillWorkersOptions:
+    """The prefill workers a service works with: one flag, one meaning, for the gateway and the decode workers."""
+
+    prefill: str = option(
+        "",
+        "comma-separated host:port list (DNS names allowed) of the prefill workers: the gateway routes prompts to "
+        "them; a decode worker dials only them (empty: any the gateway names)",
+        env=("PDSERVE_PREFILL",),
+    )
+
+    @property
+    def addresses(self) -> list[str]:
+        return [a for a in self.prefill.split(",") if a]
+
+
+@dataclass(frozen=True)
 class MigrationOptions:
     """What the gateway does when a decode stream breaks after its first token."""
 
@@ -350,7 +226,7 @@ class MigrationOptions:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DrainOptions:
     drain_grace: float = option(
         5.0,
@@ -360,16 +236,15 @@ class DrainOptions:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class QueueOptions:
     max_queued: int = option(256, "requests that may wait for KV blocks before RESOURCE_EXHAUSTED")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GatewayOptions:
     """The gateway's own flags, beyond routing, HTTP and observability."""
 
-    prefill: str = option("", "comma-separated host:port list of prefill workers", env=("PDSERVE_PREFILL",))
     decode: str = option("", "comma-separated host:port list of decode workers", env=("PDSERVE_DECODE",))
     ready_timeout: float = option(600.0, "seconds to wait for one worker of each role before serving anyway")
     poll_interval: float = option(1.0, "seconds between GetStats polls of every worker (load and health for routing)")
@@ -381,8 +256,12 @@ class GatewayOptions:
     )
     max_prompt_bytes: int = option(1 << 20, "refuse longer prompts before tokenizing them", parse=parse_size)
 
+    @property
+    def decode_addresses(self) -> list[str]:
+        return [a for a in self.decode.split(",") if a]
 
-@dataclass
+
+@dataclass(frozen=True)
 class UpOptions:
     """What `pdserve up` starts."""
 
@@ -395,3 +274,39 @@ class UpOptions:
     decode_port: int = option(50071, "first decode worker's port (the others take the next ones)")
     prompt: str | None = option(None, "answer this prompt once the stack is up")
     exit_after_prompt: bool = option(False, "stop the stack after answering --prompt")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Where a service listens (each command gives its own default port)."""
+
+    host: str = option("127.0.0.1", "address this service binds")
+    port: int = option(0, "its gRPC port")
+
+
+@dataclass(frozen=True)
+class APIKeyOptions:
+    api_key: str | None = option(
+        None,
+        "require this key on the public API (gRPC metadata 'authorization: Bearer <key>', HTTP "
+        "'Authorization: Bearer <key>')",
+        env=("PDSERVE_API_KEY",),
+    )
+    api_key_file: str | None = option(
+        None, "read the API key from this file (keeps it out of `ps`)", env=("PDSERVE_API_KEY_FILE",)
+    )
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    reflection: bool = option(False, "serve gRPC reflection (off by default: workers are internal services)")
+
+
+@dataclass(frozen=True)
+class TokenizerOptions:
+    model: str = option(
+        "default",
+        "the model whose tokenizer and chat template to use ('default': SmolLM2-135M-Instruct); workers serving "
+        "another model are not routed to",
+        env=("PDSERVE_MODEL",),
+    )
