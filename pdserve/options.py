@@ -288,8 +288,8 @@ class ServerOptions:
 class APIKeyOptions:
     api_key: str | None = option(
         None,
-        "require this key on the public API (gRPC metadata 'authorization: Bearer <key>', HTTP "
-        "'Authorization: Bearer <key>')",
+        "the public API's key: a service requires it, a client sends it (gRPC metadata 'authorization: Bearer "
+        "<key>', HTTP 'Authorization: Bearer <key>')",
         env=("PDSERVE_API_KEY",),
     )
     api_key_file: str | None = option(

@@ -31,7 +31,7 @@ from pdserve.config import COMMANDS
 from pdserve.engine.config import QUANTIZATIONS
 from pdserve.flags import add_config, add_options
 from pdserve.kernels import cpu_isa
-from pdserve.options import EngineOptions, TLSOptions
+from pdserve.options import APIKeyOptions, EngineOptions, TLSOptions
 
 
 def _version() -> str:
@@ -100,18 +100,6 @@ def _logging_args(p: argparse.ArgumentParser, suppress: bool) -> None:
         default=default(os.environ.get("PDSERVE_LOG_FORMAT", "text")),
         choices=["text", "json"],
         help="json: one JSON object per line (request lines carry request_id and trace_id)",
-    )
-
-
-def _api_key_arg(p: argparse.ArgumentParser) -> None:
-    """A client's key (the services declare theirs in their configuration)."""
-    p.add_argument(
-        "--api-key", default=os.environ.get("PDSERVE_API_KEY"), help="send this API key (default $PDSERVE_API_KEY)"
-    )
-    p.add_argument(
-        "--api-key-file",
-        default=os.environ.get("PDSERVE_API_KEY_FILE"),
-        help="read the API key from this file (keeps it out of `ps`); default $PDSERVE_API_KEY_FILE",
     )
 
 
@@ -218,7 +206,7 @@ def _tool_commands(command: Callable[[str, str], argparse.ArgumentParser]) -> No
     )
     _sampling_args(gen)
     add_options(gen, TLSOptions)
-    _api_key_arg(gen)
+    add_options(gen, APIKeyOptions)
 
 
 def main(argv: list[str] | None = None) -> int:
