@@ -79,7 +79,9 @@ def spawn(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Pop
 
 
 @contextlib.contextmanager
-def pdserve_up(log: Path, dtype: str, quantization: str, colocated: bool) -> Iterator[tuple[str, int]]:
+def pdserve_up(
+    log: Path, dtype: str, quantization: str, colocated: bool, activations: str = "q8"
+) -> Iterator[tuple[str, int]]:
     """`pdserve up` (gateway and workers, or one colocated worker behind the gateway) on free loopback ports,
     logging to `log`; yields the gateway's gRPC address and its HTTP port once it serves, and stops it all after."""
     port, http = free_port(), free_port()
@@ -94,6 +96,8 @@ def pdserve_up(log: Path, dtype: str, quantization: str, colocated: bool) -> Ite
         dtype,
         "--quantization",
         quantization,
+        "--activations",
+        activations,
         "--port",
         str(port),
         "--prefill-port",

@@ -40,13 +40,14 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-FORMATS = {  # name: (dtype, --quantization)
-    "fp32": ("float32", "none"),
-    "bf16": ("bfloat16", "none"),
-    "q8_0": ("bfloat16", "q8_0"),
-    "q4_0": ("bfloat16", "q4_0"),
-    "gguf": ("bfloat16", "gguf"),
-    "gguf-fp32": ("float32", "gguf"),  # the file's blocks, fp32 activations and KV cache
+FORMATS = {  # name: (dtype, --quantization, --activations)
+    "fp32": ("float32", "none", "exact"),
+    "bf16": ("bfloat16", "none", "exact"),
+    "q8_0": ("bfloat16", "q8_0", "q8"),
+    "q4_0": ("bfloat16", "q4_0", "q8"),
+    "gguf": ("bfloat16", "gguf", "q8"),  # the file's blocks against int8 activations (the default for them)
+    "gguf-exact": ("bfloat16", "gguf", "exact"),  # the file's blocks against bf16 activations
+    "gguf-fp32": ("float32", "gguf", "exact"),  # the file's blocks, fp32 activations and KV cache
 }
 CONTEXT = 192
 SERVED = ((1, 16), (8, 32), (32, 64))  # (concurrency, requests)
@@ -147,12 +148,13 @@ def _engine(fmt: str, batch: int):
     from pdserve.engine.engine_core import EngineCore
     from pdserve.engine.model_store import resolve_model
 
-    dtype, quantization = FORMATS[fmt]
+    dtype, quantization, activations = FORMATS[fmt]
     return EngineCore(
         EngineConfig(
             model=str(resolve_model(None)),
             dtype=dtype,
             quantization=quantization,
+            activations=activations,
             max_num_seqs=batch,
             kv_cache_memory=1 << 30,
             max_num_batched_tokens=2048,
@@ -209,9 +211,9 @@ def served(fmt: str, sizes: Sizes, log: Path) -> list[Row]:
     from pdserve.benchmarks.compare import load_target, pdserve_up
     from pdserve.benchmarks.load_gen import GrpcTarget, make_requests
 
-    dtype, quantization = FORMATS[fmt]
+    dtype, quantization, activations = FORMATS[fmt]
     rows: list[Row] = []
-    with pdserve_up(log, dtype, quantization, colocated=True) as (address, _):
+    with pdserve_up(log, dtype, quantization, colocated=True, activations=activations) as (address, _):
         for concurrency, n in SERVED:
             reqs = make_requests(n, [PROMPT], OUTPUT, concurrency, None, vocab=(1000, 40000))
             warm = make_requests(2, [PROMPT], 8, 1000 + concurrency, None, vocab=(1000, 40000))

@@ -21,6 +21,8 @@ _DTYPES = {
 }
 
 QUANTIZATIONS = ("none", "q8_0", "q4_0", "gguf")  # CPU weight formats (engine.weight_format)
+# what quantized weights multiply: activations quantized to int8 blocks (llama.cpp's arithmetic) or as they are
+ACTIVATIONS = ("q8", "exact")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -119,5 +121,6 @@ class EngineConfig:
     device: str = "cpu"  # cpu, cuda, cuda:N, or auto (cuda when present)
     num_threads: int | None = None
     quantization: str = "none"  # CPU weight format: none, q8_0, q4_0, gguf (engine.weight_format)
+    activations: str = "q8"  # with quantized weights: q8 (integer products, int8 activations) or exact
     fused_decode_layers: bool = True  # bf16 on CPU, packed weights: a decode step's layers one C call each
     fused_elementwise: bool = True  # CPU: C bf16 RMSNorm, rope, SiLU-and-mul, and greedy argmax (False: torch)

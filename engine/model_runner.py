@@ -81,7 +81,7 @@ class ModelRunner:
             wants_kernels = cfg.quantization != "none" or dtype == torch.bfloat16
             kernels = quant_linear.load(cache_dir() / "kernels") if wants_kernels else None
             gguf = gguf_source(resolve_model(cfg.model)) if cfg.quantization == "gguf" else None
-            log.info("%s", weight_format.apply(model, cfg.quantization, dtype, kernels, gguf))
+            log.info("%s", weight_format.apply(model, cfg.quantization, dtype, kernels, gguf, cfg.activations))
             log.info("%s", weights_into_huge_pages(model).describe())
         if device.type == "cpu" and cfg.fused_elementwise:
             ops = cpu_elementwise.load(cache_dir() / "kernels")
@@ -89,7 +89,13 @@ class ModelRunner:
                 model.use_ops(ops.rms_norm, ops.apply_rope, ops.silu_and_mul)
                 log.info("element-wise steps: one-pass C kernels (%s)", cpu_elementwise.SOURCE.name)
         layout = plan_kv_cache(
-            model.config, dtype, cfg.block_size, cfg.kv_cache_memory, cfg.num_blocks, device.type, cfg.quantization
+            model.config,
+            dtype,
+            cfg.block_size,
+            cfg.kv_cache_memory,
+            cfg.num_blocks,
+            device.type,
+            weight_format.fingerprint(cfg.quantization, cfg.activations),
         )
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",

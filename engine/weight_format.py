@@ -121,15 +121,23 @@ def native_bf16_gemm() -> bool:
     return cpu_isa.level() == "avx512" and bool({"amx_bf16", "avx512_bf16"} & cpu_isa.cpu_flags())
 
 
+def fingerprint(quantization: str, activations: str) -> str:
+    """What the KV layout's fingerprint calls these weights: int8 activations compute other KV values than exact
+    ones, so workers that differ in either refuse to pair."""
+    return quantization if quantization == "none" or activations == "exact" else f"{quantization}+q8"
+
+
 def apply(
     model: nn.Module,
     quantization: str,
     dtype: torch.dtype,
     kernels: CpuLinear | None,
     gguf: Path | None = None,
+    activations: str = "exact",
 ) -> str:
     """Put every linear layer of a CPU model in its format (`check` it first); returns what runs them, for the
-    start-up log."""
+    start-up log. `activations`: "q8" runs Q8_0 and 4-bit blocks as integer products with activations quantized
+    to int8 (cpu_linear_q8.h)."""
     linears = _linears(model)
     if quantization == "none" and dtype == torch.float32:
         return "linear layers: torch fp32 GEMM"
@@ -164,13 +172,20 @@ def apply(
             b = quant_linear.quantize(lin.weight.detach().float(), quantization)
         # bf16_rows: oneDNN's packed copy for prompt rows and big batches (10-25% faster than on the plain tensor)
         prompt = PackedLinear(lin) if b.fmt == "bf16_rows" and can_pack(lin.weight) else None
-        _replace(model, name, QuantLinear(b, lin.bias, kernels, prompt))
-        formats[b.fmt] += 1
+        layer = QuantLinear(b, lin.bias, kernels, prompt, activations)
+        _replace(model, name, layer)
+        formats[layer.packing] += 1
     what = ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items()))
     if set(formats) == {"bf16_rows"}:
         return (
             f"linear layers: {what}; cpu_linear.c ({kernels.isa}) up to {kernels.bf16_rows_decode} rows, "
             "oneDNN's packed bf16 GEMM above (the weights are held twice)"
+        )
+    if set(formats) & set(quant_linear.Q8_ACTIVATIONS.values()):
+        return (
+            f"linear layers: {what} (_q8: int8 activations, integer dot products: {kernels.q8_isa}); "
+            f"cpu_linear.c ({kernels.isa}) up to {kernels.prompt_rows} rows for the others, the fp32 GEMM over the "
+            "dequantized weight above"
         )
     if kernels.bf16_dot and dtype == torch.bfloat16 and set(formats) & {"q8_0", "q4_0", "q4_1"}:
         return (

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pdserve.kernels import c_build
-from pdserve.kernels.quant_linear import FORMATS, QuantLinear
+from pdserve.kernels.quant_linear import CODES, QuantLinear
 
 SOURCE = Path(__file__).with_name("cpu_decoder_layer.c")
 _P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -122,7 +122,7 @@ class DecodeLayers:
         for c, w in zip(self._layers, layers):
             c.ln1, c.ln2 = w.ln1.data_ptr(), w.ln2.data_ptr()
             c.w_qkv, c.w_o, c.w_gu, c.w_down = (lin.packed.data_ptr() for lin in (w.qkv, w.o, w.gate_up, w.down))
-            c.fmt_qkv, c.fmt_o, c.fmt_gu, c.fmt_down = (FORMATS[lin.fmt] for lin in (w.qkv, w.o, w.gate_up, w.down))
+            c.fmt_qkv, c.fmt_o, c.fmt_gu, c.fmt_down = (CODES[lin.packing] for lin in (w.qkv, w.o, w.gate_up, w.down))
             c.b_qkv = w.qkv.bias.data_ptr() if w.qkv.bias is not None else None
         self._addrs = [ctypes.addressof(c) for c in self._layers]
         self._step = _Step(

@@ -1,6 +1,8 @@
 /* Weight-only linear layers: y[M,N] = x[M,K] . W[N,K]^T (+ bias), x and y fp32 or bf16, W packed
  * (kernels/quant_linear.py writes the packing) as fp32, bf16, Q8_0, Q4_0 or Q4_1 blocks.
  *
+ * Q8_0 and 4-bit blocks also have packings for integer products with int8 activations: cpu_linear_q8.h.
+ *
  * Packing: output columns in groups of 16, the reduction dimension in blocks of 32; each (group, block) is one
  * contiguous run of bytes, groups one after another, so a thread streams its groups' weights once per call.
  *   f32:  float  w[32][16]                         bf16: uint16 w[32][16]
@@ -99,6 +101,9 @@ int64_t block_nbytes(int fmt) {
     case Q8_0: return G * 2 + KB * G;
     case Q4_0: return G * 2 + KB * G / 2;
     case Q4_1: return G * 4 + KB * G / 2;
+    case 6: return G * 2 + KB * G; /* the Q8-activation packings of cpu_linear_q8.h: Q8_0, Q4_0, Q4_1 */
+    case 7: return G * 2 + KB * G / 2;
+    case 8: return G * 4 + KB * G / 2;
     }
     return -1;
 }
@@ -761,6 +766,8 @@ static void store_rows(const float *acc, int rows, int cols, const float *bias, 
     }
 }
 
+#include "cpu_linear_q8.h"
+
 #if VL == 8 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(NO_TILE8)
 #define TILE8 1
 #include "cpu_linear_avx2.h"
@@ -1114,6 +1121,7 @@ int linear(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const
     int64_t bb = block_nbytes(fmt);
     if (bb < 0 || M < 0 || K <= 0 || N <= 0 || ldx < K || ldy < N) return -1;
     if (M == 0) return 0;
+    if (is_q8(fmt)) return linear_q8(xin, ldx, x_bf16, M, K, w, fmt, N, bias, yout, ldy, y_bf16, nthreads);
     int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G;
     /* AVX2 from PANEL8_ROWS rows: each group dequantized whole once, and tiled over with plain x */
     const int panels8 = TILE8 && fmt != F32 && M >= (fmt == Q4_0 || fmt == Q4_1 ? PANEL8_ROWS_Q4 : PANEL8_ROWS);
@@ -1272,6 +1280,7 @@ int dequantize(const uint8_t *w, int fmt, int64_t N, int64_t K, float *out, int 
     }
     int64_t bb = block_nbytes(fmt);
     if (bb < 0 || K <= 0 || N <= 0) return -1;
+    if (is_q8(fmt)) return dequantize_q8(w, fmt, N, K, out, nthreads);
     int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {

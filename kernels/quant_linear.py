@@ -27,12 +27,18 @@ from pdserve.kernels import c_build, cpu_isa
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 FORMATS = {"f32": 0, "bf16": 1, "q8_0": 2, "q4_0": 3, "q4_1": 4, "bf16_rows": 5}
 PLAIN = ("f32", "bf16", "bf16_rows")  # formats that hold the weight as it is
+# the same blocks packed for integer products with activations quantized to int8 (cpu_linear_q8.h)
+Q8_ACTIVATIONS = {"q8_0": "q8_0_q8", "q4_0": "q4_0_q8", "q4_1": "q4_1_q8"}
+CODES = {**FORMATS, "q8_0_q8": 6, "q4_0_q8": 7, "q4_1_q8": 8}  # what cpu_linear.c calls each packing
+ACTIVATIONS = ("q8", "exact")
 GROUP, BLOCK = 16, 32
 # more rows: the fp32 GEMM over the dequantized weight (AVX2's panel tiles keep up with MKL's fp32 GEMM to 512 rows)
 PROMPT_ROWS = {"avx512": 128, "avx2": 512, "portable": 32}
 # bf16_rows: more rows than this go to oneDNN's bf16 GEMM; with AMX tiles the kernel keeps up with oneDNN's to 16 rows
 # and the fused decode layer, which runs only on the kernel, gains more than that from 16 to 64
 BF16_ROWS_DECODE = {False: 8, True: 64}
+# integer products (cpu_linear_q8.h): up to this many rows, then the fp32 GEMM over the dequantized weight
+Q8_ROWS = 1 << 30
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -185,6 +191,37 @@ def pack(b: Blocks, q4_chunks: bool) -> torch.Tensor:
     return torch.cat(parts, dim=-1).reshape(-1).contiguous()
 
 
+def pack_q8(b: Blocks) -> torch.Tensor:
+    """The layout of cpu_linear_q8.h for Q8_0 and 4-bit blocks: per (group, block) the scales as `pack` writes
+    them, then runs of [16 columns][4 k]: Q8_0's quants + 128, or 4-bit quants with k = 8p + i in run p's low
+    nibbles and k = 8p + 4 + i in its high ones."""
+    if b.fmt not in Q8_ACTIVATIONS:
+        raise ValueError(f"weight format {b.fmt!r} has no integer packing (only {', '.join(Q8_ACTIVATIONS)})")
+    assert b.d is not None
+    n, nb = b.n, num_blocks(b.k)
+    groups = (n + GROUP - 1) // GROUP
+    pad = groups * GROUP - n
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:
+        """[n, nb, ...] -> [groups, nb, 16, ...]"""
+        t = F.pad(t, (0,) * (2 * (t.dim() - 1)) + (0, pad)) if pad else t
+        return t.reshape(groups, GROUP, *t.shape[1:]).transpose(1, 2)
+
+    q = by_group(b.q)  # [groups, nb, 16 (columns), 32 (k)]
+    if b.fmt == "q8_0":
+        codes = (q.to(torch.int16) + 128).to(torch.uint8).reshape(groups, nb, GROUP, 8, 4)
+        body = codes.permute(0, 1, 3, 2, 4)  # [groups, nb, run, column, 4]
+    else:
+        halves = q.reshape(groups, nb, GROUP, 4, 2, 4)  # [.., column, run, low/high, 4]
+        body = (halves[..., 0, :] | (halves[..., 1, :] << 4)).permute(0, 1, 3, 2, 4)
+    scales = [by_group(b.d).contiguous().view(torch.uint8)]
+    if b.fmt == "q4_1":
+        assert b.m is not None
+        scales.append(by_group(b.m).contiguous().view(torch.uint8))
+    parts = [t.reshape(groups, nb, -1) for t in (*scales, body.contiguous())]
+    return torch.cat(parts, dim=-1).reshape(-1).contiguous()
+
+
 class CpuLinear:
     """The built `cpu_linear.c`: products and dequantization over packed weights."""
 
@@ -194,6 +231,10 @@ class CpuLinear:
         self._linear.restype = _I
         self._dequant = lib.dequantize
         self._dequant.argtypes, self._dequant.restype = [_P, _I, _I64, _I64, _P, _I], _I
+        self._quantize_q8 = lib.quantize_q8
+        self._quantize_q8.argtypes, self._quantize_q8.restype = [_P, _I64, _I, _I64, _I64, _P, _P, _P, _I], _I
+        self._block_dots_q8 = lib.block_dots_q8
+        self._block_dots_q8.argtypes, self._block_dots_q8.restype = [_P, _I, _I64, _I64, _P, _I64, _P], _I
         self._scratch = torch.empty(0)
         self.prompt_rows = PROMPT_ROWS[level]  # where this level's kernel stops beating dequantize + torch's GEMM
         features = lib.features()
@@ -202,6 +243,8 @@ class CpuLinear:
         self.tiles = bool(features & 4)  # AMX: bf16 rows against blocks and bf16_rows from a few rows on
         self.bf16_rows_decode = BF16_ROWS_DECODE[self.tiles]
         self.isa = f"{level}, AMX tiles" if self.tiles else level  # for the start-up log
+        self.q8_rows = Q8_ROWS  # integer products with int8 activations up to this many rows
+        self.q8_isa = ("plain C", "AVX2 vpmaddubsw", "AVX512-VNNI vpdpbusd")[lib.q8_isa()]
 
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, fmt: str, n: int, bias: torch.Tensor | None
@@ -217,7 +260,7 @@ class CpuLinear:
             m,
             k,
             packed.data_ptr(),
-            FORMATS[fmt],
+            CODES[fmt],
             n,
             bias.data_ptr() if bias is not None else None,
             out.data_ptr(),
@@ -238,8 +281,40 @@ class CpuLinear:
             out = self._scratch[: n * k].view(k, n)
         else:
             out = torch.empty(k, n)
-        if self._dequant(packed.data_ptr(), FORMATS[fmt], n, k, out.data_ptr(), torch.get_num_threads()):
+        if self._dequant(packed.data_ptr(), CODES[fmt], n, k, out.data_ptr(), torch.get_num_threads()):
             raise RuntimeError(f"cpu dequantize failed on weight {fmt} [{n}, {k}]")
+        return out
+
+    def quantize_q8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of x [m, k] (fp32 or bf16) as the Q8 blocks the integer products read: quants [m, nb * 32] int8,
+        scales [m, nb] fp32, sums of quants [m, nb] int32."""
+        m, k = x.shape
+        nb = num_blocks(k)
+        x = x if x.dtype in _KERNEL_DTYPES and x.stride(-1) == 1 else x.float().contiguous()
+        xq = torch.empty(m, nb * BLOCK, dtype=torch.int8)
+        xd, xs = torch.empty(m, nb), torch.empty(m, nb, dtype=torch.int32)
+        rc = self._quantize_q8(
+            x.data_ptr(),
+            x.stride(0),
+            x.dtype == torch.bfloat16,
+            m,
+            k,
+            xq.data_ptr(),
+            xd.data_ptr(),
+            xs.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if rc:
+            raise RuntimeError(f"cpu quantize_q8 failed on x {tuple(x.shape)}")
+        return xq, xd, xs
+
+    def block_dots_q8(self, packed: torch.Tensor, fmt: str, n: int, k: int, xq: torch.Tensor) -> torch.Tensor:
+        """[m, n, nb] int32: each block's integer sum of quant products, as the products compute it (`fmt` a Q8
+        packing, `xq` from `quantize_q8`)."""
+        m = xq.shape[0]
+        out = torch.empty(m, n, num_blocks(k), dtype=torch.int32)
+        if self._block_dots_q8(packed.data_ptr(), CODES[fmt], n, k, xq.data_ptr(), m, out.data_ptr()):
+            raise RuntimeError(f"cpu block_dots_q8 failed on weight {fmt} [{n}, {k}]")
         return out
 
 
@@ -261,12 +336,19 @@ class QuantLinear(nn.Module):
         bias: torch.Tensor | None,
         kernels: CpuLinear,
         prompt: nn.Module | None = None,
+        activations: str = "exact",
     ) -> None:
-        """`prompt`: what rows above `decode_rows` run through instead (bf16_rows: oneDNN's packed GEMM)."""
+        """`prompt`: what rows above `decode_rows` run through instead (bf16_rows: oneDNN's packed GEMM);
+        `activations`: "q8" multiplies Q8_0 and 4-bit blocks by activations quantized to int8 (cpu_linear_q8.h),
+        "exact" by the activations as they are."""
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations {activations!r} is not one of {', '.join(ACTIVATIONS)}")
         self.prompt = prompt
         self.fmt, self.in_features, self.out_features = blocks.fmt, blocks.k, blocks.n
-        self.register_buffer("packed", pack(blocks, kernels.q4_chunks), persistent=False)
+        q8 = activations == "q8" and blocks.fmt in Q8_ACTIVATIONS
+        self.packing = Q8_ACTIVATIONS[blocks.fmt] if q8 else blocks.fmt  # what cpu_linear.c reads
+        self.register_buffer("packed", pack_q8(blocks) if q8 else pack(blocks, kernels.q4_chunks), persistent=False)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.kernels = kernels
         self.nbytes = int(self.packed.numel())
@@ -275,6 +357,8 @@ class QuantLinear(nn.Module):
         # bf16 rows against Q8_0 or 4-bit blocks with vdpbf16ps beat dequantizing for the fp32 GEMM at any length
         # (Q8_0 at 128 / 512 rows: 2-3x faster)
         self.bf16_rows = 1 << 30 if kernels.bf16_dot and self.fmt in ("q8_0", "q4_0", "q4_1") else self.decode_rows
+        if q8:
+            self.decode_rows = self.bf16_rows = kernels.q8_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -287,14 +371,14 @@ class QuantLinear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             out = F.linear(flat, w, bias)
         elif not on_kernel and rows > self.kernels.prompt_rows:
-            wt = self.kernels.dequantize(self.packed, self.fmt, self.out_features, self.in_features, True)
+            wt = self.kernels.dequantize(self.packed, self.packing, self.out_features, self.in_features, True)
             xf = flat.float()
             out = (torch.addmm(self.bias, xf, wt) if self.bias is not None else torch.mm(xf, wt)).to(x.dtype)
         else:
             if flat.stride(-1) != 1 or x.dtype not in _KERNEL_DTYPES:
                 flat = flat.float().contiguous()
-            out = self.kernels.linear(flat, self.packed, self.fmt, self.out_features, self.bias).to(x.dtype)
+            out = self.kernels.linear(flat, self.packed, self.packing, self.out_features, self.bias).to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features}, format={self.fmt}"
+        return f"{self.in_features}, {self.out_features}, format={self.packing}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.config import QUANTIZATIONS, EngineConfig
+from pdserve.engine.config import ACTIVATIONS, QUANTIZATIONS, EngineConfig
 from pdserve.flags import option, parse_count, parse_port_range, parse_seconds, parse_size
 
 _ENGINE = EngineConfig()
@@ -25,6 +25,14 @@ class EngineOptions:
         "types, as the file holds them); a GPU runs none",
         choices=QUANTIZATIONS,
         env=("PDSERVE_QUANTIZATION",),
+    )
+    activations: str = option(
+        _ENGINE.activations,
+        "what Q8_0 and 4-bit weights multiply: q8 (activations quantized to int8 per block of 32, integer dot "
+        "products, as llama.cpp computes) or exact (the activations as they are: the product of the dequantized "
+        "weights)",
+        choices=ACTIVATIONS,
+        env=("PDSERVE_ACTIVATIONS",),
     )
     block_size: int = option(_ENGINE.block_size, "tokens per KV-cache block")
     kv_cache_memory: int = option(_ENGINE.kv_cache_memory, "KV pool size per worker, e.g. 512M, 2G", parse=parse_size)

@@ -58,7 +58,7 @@ def test_served_gguf_tokens_equal_the_fp32_engine_on_the_same_weights(model_dir,
     weights, except where the fp32 engine's top two logits are within rounding of each other (asserted, not
     skipped: a real difference fails). One sequence at a time, decode steps take the kernels' one-row paths."""
     base = dict(model=str(model_dir), dtype="float32", kv_cache_memory=64 << 20, max_num_seqs=seqs)
-    core, got, _ = _generate(EngineConfig(**base, quantization="gguf"))
+    core, got, _ = _generate(EngineConfig(**base, quantization="gguf", activations="exact"))
     assert core.layout.weights == "gguf"
     layers = [m for m in core.runner.model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 121 and {m.fmt for m in layers} == {"q4_1", "q8_0"}
@@ -83,11 +83,18 @@ def test_quantized_at_load_serves_and_names_its_format(tiny_model_dir, fmt):
     assert {m.fmt for m in core.runner.model.modules() if isinstance(m, QuantLinear)} == {fmt}
     out = core.generate([[1, 5, 9, 13]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert len(out[0]) == 5
+    assert {m.packing for m in core.runner.model.modules() if isinstance(m, QuantLinear)} == {f"{fmt}_q8"}
     fp32 = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory=8 << 20))
-    assert fp32.layout.weights == "none" and core.layout.weights == fmt
-    assert fp32.layout.fingerprint != core.layout.fingerprint
-    with pytest.raises(LayoutMismatch, match="weights"):
-        fp32.layout.check_compatible(core.layout)
+    exact = EngineCore(
+        EngineConfig(
+            model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory=8 << 20, quantization=fmt, activations="exact"
+        )
+    )
+    assert (fp32.layout.weights, core.layout.weights, exact.layout.weights) == ("none", f"{fmt}+q8", fmt)
+    for a, b in ((fp32, core), (core, exact)):  # other weights, or other activations: other KV values
+        assert a.layout.fingerprint != b.layout.fingerprint
+        with pytest.raises(LayoutMismatch, match="weights"):
+            a.layout.check_compatible(b.layout)
 
 
 def test_gguf_needs_a_gguf_model_and_a_cpu(tiny_model_dir):

@@ -1,0 +1,365 @@
+/* Integer products against quantized blocks, as llama.cpp computes them: x quantized per row and block of 32 to
+ * int8 with one fp32 scale, each weight block's quants multiplied by those in integers, the block's fp32 scales
+ * applied once to its integer sum, fp32 accumulation across blocks.
+ *
+ * A decode step's 4-bit weights through the fp32 paths cost an unpack, a convert and an FMA per weight: bound by
+ * those instructions, not by memory, on a real AVX2 core (Zen 3: 3.5x the bytes limit at one row). Here 32
+ * products of one row are one vpmaddubsw (AVX2) or 64 one vpdpbusd (AVX512-VNNI), and a 4-bit pair of quants
+ * needs only a mask and a shift.
+ *
+ * Activations (quantize_q8): per row and block, d = max|x| / 127, q = rint(x * (1 / d)) (fp32, ties to even;
+ * q = 0 where d = 0), S = sum q; zero past K. Per (row, column, block), I = sum_k c_k q_k over the weight's codes
+ * c (Q8_0: the int8 quant; 4-bit: the nibble 0..15), in int32, exactly; then
+ *   Q8_0: y += (dw dx) I        Q4_0: y += (dw dx) (I - 8 S)        Q4_1: y += (dw dx) I + mw (dx S)
+ * tests/test_int8_linear.py holds a NumPy reference of this arithmetic.
+ *
+ * Packing (kernels/quant_linear.py, pack_q8): per (group of 16 columns, block), fp16 d[16] (Q4_1: then fp16
+ * m[16]), then runs of 64 bytes, each [16 columns][4 k]:
+ *   Q8_0: 8 runs, run j holds k = 4j .. 4j + 3 as c + 128 (uint8: what vpdpbusd multiplies unsigned);
+ *   4-bit: 4 runs, run p's low nibbles hold k = 8p .. 8p + 3 and its high nibbles k = 8p + 4 .. 8p + 7.
+ * A run is one zmm of 16 columns x 4 k for vpdpbusd, or two ymm of 8 columns for vpmaddubsw: after the 4-bit
+ * mask and shift, each 32-bit lane holds one column's 4 consecutive quants against one broadcast of 4 x quants.
+ *
+ * Included by cpu_linear.c, which defines G, KB, PREFETCH, block_nbytes and store_rows.
+ */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define Q8_ISA 2 /* vpdpbusd on zmm: 16 columns a vector */
+#define Q8_RT 8
+#elif defined(__AVX2__)
+#define Q8_ISA 1 /* vpmaddubsw + vpmaddwd on ymm: 8 columns a vector */
+#define Q8_RT 4
+#else
+#define Q8_ISA 0 /* plain C */
+#define Q8_RT 4
+#endif
+
+enum { Q8_0_Q8 = 6, Q4_0_Q8 = 7, Q4_1_Q8 = 8 };
+
+/* Which instructions the integer products use here (the start-up log names them). */
+int q8_isa(void) { return Q8_ISA; }
+
+static inline int is_q8(int fmt) { return fmt == Q8_0_Q8 || fmt == Q4_0_Q8 || fmt == Q4_1_Q8; }
+
+/* Where a block's quants start: after d[16] (and m[16]). */
+static inline int64_t q8_quants(int fmt) { return fmt == Q4_1_Q8 ? 4 * G : 2 * G; }
+
+/* Row x (K values, fp32 or bf16) as Q8 blocks: xq [nb * KB], xd [nb], xs [nb]. */
+static void quantize_row_q8(const void *x, int x_bf16, int64_t K, int8_t *xq, float *xd, int32_t *xs) {
+    const int64_t nb = (K + KB - 1) / KB;
+    for (int64_t b = 0; b < nb; b++) {
+        float v[KB];
+        const int64_t k0 = b * KB;
+        const int kn = K - k0 < KB ? (int)(K - k0) : KB;
+        for (int k = 0; k < KB; k++)
+            v[k] = k >= kn ? 0.0f : x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k0 + k]) : ((const float *)x)[k0 + k];
+        float amax = 0.0f;
+        for (int k = 0; k < KB; k++) amax = fabsf(v[k]) > amax ? fabsf(v[k]) : amax; /* fmaxf: a libm call here */
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        int32_t s = 0;
+        for (int k = 0; k < KB; k++) {
+            const int32_t q = (int32_t)__builtin_rintf(v[k] * id);
+            xq[k0 + k] = (int8_t)q;
+            s += q;
+        }
+        xd[b] = d;
+        xs[b] = s;
+    }
+}
+
+/* M rows at row stride ldx; in parallel only where there is enough of them (an OpenMP region costs more than a
+ * row). */
+int quantize_q8(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *xd, int32_t *xs,
+                int nthreads) {
+    if (M < 0 || K <= 0 || ldx < K) return -1;
+    const int64_t nb = (K + KB - 1) / KB, es = x_bf16 ? 2 : 4;
+    if (M * K <= 65536) {
+        for (int64_t r = 0; r < M; r++)
+            quantize_row_q8((const char *)x + r * ldx * es, x_bf16, K, xq + r * nb * KB, xd + r * nb, xs + r * nb);
+        return 0;
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < M; r++)
+        quantize_row_q8((const char *)x + r * ldx * es, x_bf16, K, xq + r * nb * KB, xd + r * nb, xs + r * nb);
+    return 0;
+}
+
+#if Q8_ISA == 2
+typedef __m512i q8_ints; /* one row's I for the group's 16 columns */
+#elif Q8_ISA == 1
+typedef struct {
+    __m256i lo, hi; /* columns 0..7, 8..15 */
+} q8_ints;
+#else
+typedef struct {
+    int32_t c[G];
+} q8_ints;
+#endif
+
+/* I for R rows (xq[r * ldq ..] the block's 32 quants of row r) against one block's quants `qs`: the integer sums
+ * of products, exactly, kept in registers. Q8_0 through vpdpbusd reads its quants unsigned (c + 128), so there its
+ * sums carry 128 S; group_q8 takes that off with the 4-bit offset. vpmaddubsw multiplies signs instead. */
+static inline __attribute__((always_inline)) void block_ints(const int fmt, const uint8_t *qs, const int8_t *xq,
+                                                              int64_t ldq, const int R, q8_ints *a) {
+#if Q8_ISA == 2
+    for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();
+    if (fmt == Q8_0_Q8) {
+        for (int j = 0; j < 8; j++) {
+            const __m512i w = _mm512_loadu_si512(qs + 64 * j);
+            for (int r = 0; r < R; r++) {
+                int32_t xv;
+                memcpy(&xv, xq + r * ldq + 4 * j, 4);
+                a[r] = _mm512_dpbusd_epi32(a[r], w, _mm512_set1_epi32(xv));
+            }
+        }
+    } else {
+        const __m512i mask = _mm512_set1_epi8(15);
+        for (int p = 0; p < 4; p++) {
+            const __m512i v = _mm512_loadu_si512(qs + 64 * p);
+            const __m512i lo = _mm512_and_si512(v, mask), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+            for (int r = 0; r < R; r++) {
+                int32_t x0, x1;
+                memcpy(&x0, xq + r * ldq + 8 * p, 4);
+                memcpy(&x1, xq + r * ldq + 8 * p + 4, 4);
+                a[r] = _mm512_dpbusd_epi32(a[r], lo, _mm512_set1_epi32(x0));
+                a[r] = _mm512_dpbusd_epi32(a[r], hi, _mm512_set1_epi32(x1));
+            }
+        }
+    }
+#elif Q8_ISA == 1
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; r++) a[r].lo = a[r].hi = _mm256_setzero_si256();
+    if (fmt == Q8_0_Q8) { /* signed x signed: |x| against w with x's sign; pairs of products fit int16, not 8 */
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        for (int j = 0; j < 8; j++) {
+            const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + 64 * j)), flip);
+            const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qs + 64 * j + 32)), flip);
+            for (int r = 0; r < R; r++) {
+                int32_t xv;
+                memcpy(&xv, xq + r * ldq + 4 * j, 4);
+                const __m256i xb = _mm256_set1_epi32(xv), ax = _mm256_abs_epi8(xb);
+                a[r].lo = _mm256_add_epi32(
+                    a[r].lo, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb)), ones));
+                a[r].hi = _mm256_add_epi32(
+                    a[r].hi, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb)), ones));
+            }
+        }
+    } else { /* 0..15 x int8: a pair of products is at most 3810, the block's 8 of them 30480, within int16 */
+        const __m256i mask = _mm256_set1_epi8(15);
+        for (int p = 0; p < 4; p++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(qs + 64 * p));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(qs + 64 * p + 32));
+            const __m256i l0 = _mm256_and_si256(v0, mask), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask);
+            const __m256i l1 = _mm256_and_si256(v1, mask), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask);
+            for (int r = 0; r < R; r++) {
+                int32_t x0, x1;
+                memcpy(&x0, xq + r * ldq + 8 * p, 4);
+                memcpy(&x1, xq + r * ldq + 8 * p + 4, 4);
+                const __m256i xa = _mm256_set1_epi32(x0), xb = _mm256_set1_epi32(x1);
+                a[r].lo = _mm256_add_epi16(
+                    a[r].lo, _mm256_add_epi16(_mm256_maddubs_epi16(l0, xa), _mm256_maddubs_epi16(h0, xb)));
+                a[r].hi = _mm256_add_epi16(
+                    a[r].hi, _mm256_add_epi16(_mm256_maddubs_epi16(l1, xa), _mm256_maddubs_epi16(h1, xb)));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            a[r].lo = _mm256_madd_epi16(a[r].lo, ones);
+            a[r].hi = _mm256_madd_epi16(a[r].hi, ones);
+        }
+    }
+#else
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < G; c++) {
+            int32_t s = 0;
+            for (int k = 0; k < KB; k++) {
+                const uint8_t byte = qs[64 * (fmt == Q8_0_Q8 ? k / 4 : k / 8) + 4 * c + k % 4];
+                const int32_t code = fmt == Q8_0_Q8 ? (int32_t)byte - 128 : (k % 8 < 4 ? byte & 15 : byte >> 4);
+                s += code * xq[r * ldq + k];
+            }
+            a[r].c[c] = s;
+        }
+#endif
+}
+
+/* The offset a block's sums carry per unit of S: Q4_0's 8, and Q8_0's 128 where vpdpbusd read c + 128. */
+#define Q8_OFFSET(fmt) ((fmt) == Q4_0_Q8 ? 8 : (fmt) == Q8_0_Q8 && Q8_ISA == 2 ? 128 : 0)
+
+/* acc[R][16] = the products of R rows with one group of 16 columns, over all nb blocks: y += (dw dx) (I - off S)
+ * (+ mw dx S), in registers. */
+static inline __attribute__((always_inline)) void group_q8(const int fmt, const uint8_t *blk, int64_t bb, int64_t nb,
+                                                            const int8_t *xq, const float *xd, const int32_t *xs,
+                                                            const int R, float *acc) {
+    const int64_t ldq = nb * KB;
+    const int32_t offset = Q8_OFFSET(fmt);
+#if Q8_ISA == 2
+    __m512 y[Q8_RT];
+    for (int r = 0; r < R; r++) y[r] = _mm512_setzero_ps();
+#elif Q8_ISA == 1
+    __m256 y[Q8_RT][2];
+    for (int r = 0; r < R; r++) y[r][0] = y[r][1] = _mm256_setzero_ps();
+#else
+    float y[Q8_RT][G];
+    memset(y, 0, sizeof y);
+#endif
+    for (int64_t b = 0; b < nb; b++, blk += bb) {
+        for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
+        q8_ints a[Q8_RT];
+        block_ints(fmt, blk + q8_quants(fmt), xq + b * KB, ldq, R, a);
+#if Q8_ISA == 2
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 mw = fmt == Q4_1_Q8 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * G)))
+                                         : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const float dx = xd[r * nb + b];
+            const int32_t s = xs[r * nb + b];
+            __m512i I = offset ? _mm512_sub_epi32(a[r], _mm512_set1_epi32(offset * s)) : a[r];
+            y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), y[r]);
+            if (fmt == Q4_1_Q8) y[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * (float)s), y[r]);
+        }
+#elif Q8_ISA == 1
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+        if (fmt == Q4_1_Q8) {
+            m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * G)));
+            m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * G + 16)));
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+            const int32_t s = xs[r * nb + b];
+            __m256i I0 = a[r].lo, I1 = a[r].hi;
+            if (offset) {
+                const __m256i o = _mm256_set1_epi32(offset * s);
+                I0 = _mm256_sub_epi32(I0, o), I1 = _mm256_sub_epi32(I1, o);
+            }
+            y[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I0), _mm256_mul_ps(d0, dx), y[r][0]);
+            y[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I1), _mm256_mul_ps(d1, dx), y[r][1]);
+            if (fmt == Q4_1_Q8) {
+                const __m256 ms = _mm256_set1_ps(xd[r * nb + b] * (float)s);
+                y[r][0] = _mm256_fmadd_ps(m0, ms, y[r][0]);
+                y[r][1] = _mm256_fmadd_ps(m1, ms, y[r][1]);
+            }
+        }
+#else
+        float d[G], m[G];
+        load_h(blk, d);
+        if (fmt == Q4_1_Q8) load_h(blk + 2 * G, m);
+        for (int r = 0; r < R; r++) {
+            const float dx = xd[r * nb + b];
+            const int32_t s = xs[r * nb + b];
+            for (int c = 0; c < G; c++) {
+                y[r][c] += (d[c] * dx) * (float)(a[r].c[c] - offset * s);
+                if (fmt == Q4_1_Q8) y[r][c] += m[c] * (dx * (float)s);
+            }
+        }
+#endif
+    }
+    for (int r = 0; r < R; r++) {
+#if Q8_ISA == 2
+        _mm512_storeu_ps(acc + r * G, y[r]);
+#elif Q8_ISA == 1
+        _mm256_storeu_ps(acc + r * G, y[r][0]);
+        _mm256_storeu_ps(acc + r * G + 8, y[r][1]);
+#else
+        memcpy(acc + r * G, y[r], sizeof(float) * G);
+#endif
+    }
+}
+
+static void group_q8_rows(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const int8_t *xq, const float *xd,
+                          const int32_t *xs, int rows, float *acc) {
+#define Q8_CASE(R)                                                                                                     \
+    case R:                                                                                                            \
+        if (fmt == Q8_0_Q8)                                                                                            \
+            group_q8(Q8_0_Q8, blk, bb, nb, xq, xd, xs, R, acc);                                                        \
+        else if (fmt == Q4_0_Q8)                                                                                       \
+            group_q8(Q4_0_Q8, blk, bb, nb, xq, xd, xs, R, acc);                                                        \
+        else                                                                                                           \
+            group_q8(Q4_1_Q8, blk, bb, nb, xq, xd, xs, R, acc);                                                        \
+        return;
+    switch (rows) {
+        Q8_CASE(1)
+        Q8_CASE(2)
+        Q8_CASE(3)
+        Q8_CASE(4)
+#if Q8_RT == 8
+        Q8_CASE(5)
+        Q8_CASE(6)
+        Q8_CASE(7)
+        Q8_CASE(8)
+#endif
+    }
+#undef Q8_CASE
+}
+
+/* y = x W^T + bias over Q8-activation packings: x quantized once, then each thread's groups of columns, Q8_RT rows
+ * at a time (after the first tile, a group's blocks come from L1 or L2). */
+static int linear_q8(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int fmt,
+                     int64_t N, const float *bias, void *yout, int64_t ldy, int y_bf16, int nthreads) {
+    const int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G, bb = block_nbytes(fmt);
+    int8_t *xq = malloc((size_t)(M * nb * KB));
+    float *xd = malloc(sizeof(float) * (size_t)(M * nb));
+    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(M * nb));
+    if (!xq || !xd || !xs) {
+        free(xq), free(xd), free(xs);
+        return -2;
+    }
+    quantize_q8(xin, ldx, x_bf16, M, K, xq, xd, xs, nthreads);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        float acc[Q8_RT * G] __attribute__((aligned(64)));
+        const int cols = N - g * G < G ? (int)(N - g * G) : G;
+        for (int64_t r0 = 0; r0 < M; r0 += Q8_RT) {
+            const int rows = M - r0 < Q8_RT ? (int)(M - r0) : Q8_RT;
+            group_q8_rows(fmt, w + g * nb * bb, bb, nb, xq + r0 * nb * KB, xd + r0 * nb, xs + r0 * nb, rows, acc);
+            store_rows(acc, rows, cols, bias, yout, ldy, y_bf16, r0, g * G);
+        }
+    }
+    free(xq), free(xd), free(xs);
+    return 0;
+}
+
+/* For the tests: out[r][n][b] = I, the integer sum of block b of weight row n with quantized row r, from the
+ * same block_ints the products use (less the 128 S of vpdpbusd's Q8_0). */
+int block_dots_q8(const uint8_t *w, int fmt, int64_t N, int64_t K, const int8_t *xq, int64_t M, int32_t *out) {
+    if (!is_q8(fmt) || N <= 0 || K <= 0 || M < 0) return -1;
+    const int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G, bb = block_nbytes(fmt);
+    const int32_t offset = fmt == Q8_0_Q8 ? Q8_OFFSET(Q8_0_Q8) : 0;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++)
+            for (int64_t r = 0; r < M; r++) {
+                q8_ints a[1];
+                int32_t I[G], s = 0;
+                const int8_t *xr = xq + r * nb * KB + b * KB;
+                block_ints(fmt, w + (g * nb + b) * bb + q8_quants(fmt), xr, nb * KB, 1, a);
+                memcpy(I, a, sizeof I);
+                for (int k = 0; k < KB; k++) s += xr[k];
+                for (int c = 0; c < G && g * G + c < N; c++) out[(r * N + g * G + c) * nb + b] = I[c] - offset * s;
+            }
+    return 0;
+}
+
+/* The weight as fp32, transposed (out [K, N]), from a Q8-activation packing. */
+static int dequantize_q8(const uint8_t *w, int fmt, int64_t N, int64_t K, float *out, int nthreads) {
+    const int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G, bb = block_nbytes(fmt);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int cols = N - g * G < G ? (int)(N - g * G) : G;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = w + (g * nb + b) * bb, *qs = blk + q8_quants(fmt);
+            float d[G], m[G];
+            load_h(blk, d);
+            if (fmt == Q4_1_Q8) load_h(blk + 2 * G, m);
+            const int kn = K - b * KB < KB ? (int)(K - b * KB) : KB;
+            for (int k = 0; k < kn; k++)
+                for (int c = 0; c < cols; c++) {
+                    const uint8_t byte = qs[64 * (fmt == Q8_0_Q8 ? k / 4 : k / 8) + 4 * c + k % 4];
+                    const float code = fmt == Q8_0_Q8 ? (float)((int32_t)byte - 128)
+                                                      : (float)(k % 8 < 4 ? byte & 15 : byte >> 4);
+                    out[(b * KB + k) * N + g * G + c] = fmt == Q4_0_Q8   ? d[c] * (code - 8.0f)
+                                                        : fmt == Q4_1_Q8 ? d[c] * code + m[c]
+                                                                         : d[c] * code;
+                }
+        }
+    }
+    return 0;
+}
