@@ -457,24 +457,31 @@ def test_a_worker_in_a_cpu_limited_cgroup_starts_that_many_threads(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "level, flags, checkpoint, want",
+    "level, flags, kernels, checkpoint, want",
     [
-        ("avx2", {"avx2", "fma", "f16c"}, "bfloat16", "float32"),  # AVX2-only: bf16 would crawl
-        ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "bfloat16", "bfloat16"),
-        ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "float16", "float32"),  # no AVX512-FP16
-        ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_fp16"}, "float16", "float16"),
-        ("avx2", {"avx2"}, "float32", "float32"),
+        ("avx2", {"avx2", "fma", "f16c"}, True, "float32", "bfloat16"),  # the C kernels' bf16 decode
+        ("avx2", {"avx2", "fma", "f16c"}, True, "bfloat16", "bfloat16"),
+        ("avx2", {"avx2", "fma", "f16c"}, False, "bfloat16", "float32"),  # oneDNN alone would crawl in bf16
+        ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, False, "bfloat16", "bfloat16"),  # oneDNN's
+        ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, False, "float16", "float32"),  # no AVX512-FP16
+        ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_fp16"}, False, "float16", "float16"),
+        ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, True, "float16", "bfloat16"),
+        ("portable", set(), False, "float32", "float32"),
     ],
 )
-def test_dtype_auto_is_what_this_cpu_computes_well(tmp_path, monkeypatch, level, flags, checkpoint, want):
+def test_dtype_auto_is_what_runs_fastest_on_this_cpu(tmp_path, monkeypatch, level, flags, kernels, checkpoint, want):
     from pdserve.cli import services
-    from pdserve.kernels import cpu_isa
+    from pdserve.kernels import c_build, cpu_isa
 
     (tmp_path / "config.json").write_text(f'{{"torch_dtype": "{checkpoint}"}}')
     monkeypatch.setattr(cpu_isa, "level", lambda: level)
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(c_build, "_compiler", lambda: ("/usr/bin/cc" if kernels else None, "cc"))
+    monkeypatch.delenv(c_build.PREBUILT_ENV, raising=False)
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path / "cache"))  # no prebuilt kernels there
     assert services.model_and_dtype(str(tmp_path), "auto", "cpu")[1] == want
-    assert services.model_and_dtype(str(tmp_path), "bfloat16", "cpu")[1] == "bfloat16", "an explicit dtype is kept"
+    assert services.model_and_dtype(str(tmp_path), "float32", "cpu")[1] == "float32", "an explicit dtype is kept"
+    assert services.model_and_dtype(str(tmp_path), "auto", "cuda")[1] == checkpoint, "a GPU takes the checkpoint's"
 
 
 def test_every_flag_is_declared_once_by_its_service_configuration():

@@ -43,24 +43,49 @@ def cpu_computes(dtype: str) -> bool:
     return True
 
 
+def c_kernels_run_here() -> bool:
+    """Whether the engine's C kernels (cpu_linear.c and the fused bf16 decode layer) run on this CPU at speed: an
+    x86 CPU at the avx2 or avx512 level, and a C compiler to build them or a prebuilt library for the level."""
+    import os
+
+    from pdserve.engine.model_store import cache_dir
+    from pdserve.kernels import c_build, cpu_isa
+
+    if cpu_isa.level() not in ("avx2", "avx512"):
+        return False
+    prebuilt = Path(os.environ.get(c_build.PREBUILT_ENV) or cache_dir() / "kernels" / "prebuilt")
+    return c_build._compiler()[0] is not None or prebuilt.is_dir()
+
+
 def model_and_dtype(model: str, dtype: str, device: str = "cpu") -> tuple[str, str]:
-    """Resolve the model directory, and 'auto' to the dtype its checkpoint was saved in, lowered to float32 on a CPU
-    that does not compute that half precision well (logged): the default must run well on any CPU."""
+    """Resolve the model directory, and 'auto' to the dtype that runs fastest here (logged). On a GPU, the
+    checkpoint's. On a CPU, the checkpoint's half precision where oneDNN computes it natively; else bfloat16 where
+    the engine's C kernels run (their bf16 decode step reads half of fp32's bytes and, on an AVX2-only Zen 3,
+    took 23 ms where fp32's took 99), else float32. Exactness against transformers needs --dtype float32."""
     import json
 
     from pdserve.engine.model_store import resolve_model
 
     path = resolve_model(model)
-    if dtype == "auto":
-        cfg = json.loads((path / "config.json").read_text())
-        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-        on_cpu = device == "cpu" or (device == "auto" and not _has_cuda())
-        if on_cpu and not cpu_computes(dtype):
-            log.info("--dtype auto: the checkpoint is %s, which this CPU does not compute well: float32", dtype)
-            dtype = "float32"
-        else:
-            log.info("--dtype auto: %s (the checkpoint's)", dtype)
-    return str(path), dtype
+    if dtype != "auto":
+        return str(path), dtype
+    cfg = json.loads((path / "config.json").read_text())
+    checkpoint = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if not (device == "cpu" or (device == "auto" and not _has_cuda())):
+        log.info("--dtype auto: %s (the checkpoint's)", checkpoint)
+        return str(path), checkpoint
+    if checkpoint in ("bfloat16", "float16") and cpu_computes(checkpoint):
+        log.info("--dtype auto: %s (the checkpoint's, which this CPU computes natively)", checkpoint)
+        return str(path), checkpoint
+    if c_kernels_run_here():
+        log.info(
+            "--dtype auto: bfloat16 (the checkpoint is %s): the engine's C kernels decode bf16 at half of fp32's "
+            "bytes here; --dtype float32 keeps the fp32 product",
+            checkpoint,
+        )
+        return str(path), "bfloat16"
+    log.info("--dtype auto: float32 (the checkpoint is %s, and the C kernels do not run here)", checkpoint)
+    return str(path), "float32"
 
 
 def _has_cuda() -> bool:
@@ -205,6 +230,7 @@ def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
         attention_backend=options.attention_backend,
         device=options.device,
         quantization=options.quantization,
+        activations=options.activations,
     )
 
 
