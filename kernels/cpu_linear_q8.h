@@ -185,7 +185,7 @@ static inline __attribute__((always_inline)) void block_ints(const int fmt, cons
 
 /* acc[R][16] = the products of R rows with one group of 16 columns, over all nb blocks: y += (dw dx) (I - off S)
  * (+ mw dx S), in registers. */
-static inline __attribute__((always_inline)) void group_q8(const int fmt, const uint8_t *blk, int64_t bb, int64_t nb,
+static inline __attribute__((always_inline)) void group_q8(const int fmt, const uint8_t *blk, int64_t nb,
                                                             const int8_t *xq, const float *xd, const int32_t *xs,
                                                             const int R, float *acc) {
     const int64_t ldq = nb * KB;
@@ -200,7 +200,9 @@ static inline __attribute__((always_inline)) void group_q8(const int fmt, const 
     float y[Q8_RT][G];
     memset(y, 0, sizeof y);
 #endif
+    const int64_t bb = q8_quants(fmt) + (fmt == Q8_0_Q8 ? KB * G : KB * G / 2); /* a constant: no prefetch loop */
     for (int64_t b = 0; b < nb; b++, blk += bb) {
+#pragma GCC unroll 9
         for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
         q8_ints a[Q8_RT];
         block_ints(fmt, blk + q8_quants(fmt), xq + b * KB, ldq, R, a);
@@ -265,23 +267,23 @@ static inline __attribute__((always_inline)) void group_q8(const int fmt, const 
     }
 }
 
-static void group_q8_rows(int fmt, const uint8_t *blk, int64_t bb, int64_t nb, const int8_t *xq, const float *xd,
+static void group_q8_rows(int fmt, const uint8_t *blk, int64_t nb, const int8_t *xq, const float *xd,
                           const int32_t *xs, int rows, float *acc) {
 #define Q8_CASE(R)                                                                                                     \
     case R:                                                                                                            \
         if (fmt == Q8_0_Q8)                                                                                            \
-            group_q8(Q8_0_Q8, blk, bb, nb, xq, xd, xs, R, acc);                                                        \
+            group_q8(Q8_0_Q8, blk, nb, xq, xd, xs, R, acc);                                                        \
         else if (fmt == Q4_0_Q8)                                                                                       \
-            group_q8(Q4_0_Q8, blk, bb, nb, xq, xd, xs, R, acc);                                                        \
+            group_q8(Q4_0_Q8, blk, nb, xq, xd, xs, R, acc);                                                        \
         else                                                                                                           \
-            group_q8(Q4_1_Q8, blk, bb, nb, xq, xd, xs, R, acc);                                                        \
+            group_q8(Q4_1_Q8, blk, nb, xq, xd, xs, R, acc);                                                        \
         return;
     switch (rows) {
         Q8_CASE(1)
         Q8_CASE(2)
         Q8_CASE(3)
         Q8_CASE(4)
-#if Q8_RT == 8
+#if Q8_RT >= 5
         Q8_CASE(5)
         Q8_CASE(6)
         Q8_CASE(7)
@@ -310,7 +312,7 @@ static int linear_q8(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_
         const int cols = N - g * G < G ? (int)(N - g * G) : G;
         for (int64_t r0 = 0; r0 < M; r0 += Q8_RT) {
             const int rows = M - r0 < Q8_RT ? (int)(M - r0) : Q8_RT;
-            group_q8_rows(fmt, w + g * nb * bb, bb, nb, xq + r0 * nb * KB, xd + r0 * nb, xs + r0 * nb, rows, acc);
+            group_q8_rows(fmt, w + g * nb * bb, nb, xq + r0 * nb * KB, xd + r0 * nb, xs + r0 * nb, rows, acc);
             store_rows(acc, rows, cols, bias, yout, ldy, y_bf16, r0, g * G);
         }
     }
