@@ -80,7 +80,7 @@ def spawn(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Pop
 
 @contextlib.contextmanager
 def pdserve_up(
-    log: Path, dtype: str, quantization: str, colocated: bool, activations: str = "q8"
+    log: Path, dtype: str, quantization: str, colocated: bool, activations: str = "q8", model: str = "default"
 ) -> Iterator[tuple[str, int]]:
     """`pdserve up` (gateway and workers, or one colocated worker behind the gateway) on free loopback ports,
     logging to `log`; yields the gateway's gRPC address and its HTTP port once it serves, and stops it all after."""
@@ -92,6 +92,8 @@ def pdserve_up(
         "--log-level",
         "WARNING",
         "up",
+        "--model",
+        model,
         "--dtype",
         dtype,
         "--quantization",
@@ -231,9 +233,11 @@ class Runner:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from pdserve.engine.model_store import resolve_model
+        from pdserve.engine.model_store import resolve_model, transformers_dir
 
-        model = AutoModelForCausalLM.from_pretrained(str(resolve_model(None)), dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            str(transformers_dir(resolve_model(None))), dtype=torch.bfloat16
+        ).eval()
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         out_len = self.args.output_len
         for batch in self.args.concurrency:
@@ -292,14 +296,14 @@ class Runner:
         }
 
     def _vllm_argv(self, port: int) -> list[str]:
-        from pdserve.engine.model_store import resolve_model
+        from pdserve.engine.model_store import resolve_model, transformers_dir
 
         return [
             self.args.vllm_python,
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
-            str(resolve_model(None)),
+            str(transformers_dir(resolve_model(None))),
             "--served-model-name",
             "smollm2",
             "--dtype",

@@ -79,10 +79,12 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from pdserve.engine.config import parse_dtype
-    from pdserve.engine.model_store import resolve_model
+    from pdserve.engine.model_store import resolve_model, transformers_dir
 
-    path = str(resolve_model(args.model))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(args.dtype)).eval().to(args.device)
+    model_dir = resolve_model(args.model)
+    path = str(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(str(transformers_dir(model_dir)), dtype=parse_dtype(args.dtype))
+    hf = hf.eval().to(args.device)
     batch = prompts(args.requests, args.prompt_len)
     want = [hf_greedy(hf, p, args.tokens) for p in batch]
     if args.served:

@@ -70,13 +70,13 @@ def main() -> None:
 
     from pdserve.engine.config import EngineConfig, parse_dtype
     from pdserve.engine.engine_core import EngineCore
-    from pdserve.engine.model_store import resolve_model
+    from pdserve.engine.model_store import resolve_model, transformers_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     dtype = parse_dtype(args.dtype)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval().to(args.device)
+    hf = AutoModelForCausalLM.from_pretrained(str(transformers_dir(path)), dtype=dtype).eval().to(args.device)
     engine = EngineCore(
         EngineConfig(
             model=str(path),

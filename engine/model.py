@@ -15,6 +15,7 @@ from torch import nn
 
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.config import ModelConfig
+from pdserve.engine.gguf_file import GGUFFile
 from pdserve.kernels.activation import silu_and_mul
 from pdserve.kernels.cpu_decoder_layer import DecodeLayers, LayerShape, LayerWeights
 from pdserve.kernels.quant_linear import QuantLinear
@@ -190,25 +191,57 @@ def _fused_state_dict(files: list[Path], cfg: ModelConfig) -> dict[str, torch.Te
         else:
             if not any(f".{p}." in name for p in ("k_proj", "v_proj", "up_proj")):
                 state[name] = tensor
-    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
 
 
-def load_model(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaForCausalLM:
-    """Load a Hugging Face Llama-family directory (config.json + *.safetensors)."""
+def load_model(
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    gguf: Path | None = None,
+    linears: bool = True,
+) -> LlamaForCausalLM:
+    """Load a Llama-family model directory: its config.json, and the weights from its *.safetensors or, given
+    `gguf`, from that file. `linears=False` leaves the layers' linear weights on the meta device, for a caller
+    that puts other weights there (`weight_format.apply` with the GGUF's own blocks)."""
     cfg = ModelConfig.from_dir(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    state = _fused_state_dict(files, cfg)
+    if gguf is not None:
+        state = GGUFFile(gguf).state_dict(cfg, dtype, linears)
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        state = _fused_state_dict(files, cfg)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=False, assign=True)
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    missing = [
+        n
+        for n, p in model.named_parameters()
+        if p.is_meta and (linears or not (n.endswith(".weight") and _is_linear(model, n)))
+    ]
     if missing:
-        raise ValueError(f"checkpoint {path} lacks {missing[:4]}")
+        raise ValueError(f"checkpoint {gguf or path} lacks {missing[:4]}")
     model.rope = rope_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(dtype=dtype) if linears else _meta_kept(model, dtype)
+    return model.to(device=device).eval().requires_grad_(False) if linears else model.eval()
+
+
+def _meta_kept(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
+    """`dtype` for the loaded tensors, the meta ones left as they are (a module-wide `.to` cannot move them)."""
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.is_meta and p.dtype != dtype:
+                setattr(module, name, nn.Parameter(p.to(dtype), requires_grad=False))
+        for name, b in module.named_buffers(recurse=False):
+            if b.is_floating_point() and b.dtype != dtype:
+                setattr(module, name, b.to(dtype))
+    return model.requires_grad_(False)
+
+
+def _is_linear(model: nn.Module, param: str) -> bool:
+    return isinstance(model.get_submodule(param.rpartition(".")[0]), nn.Linear)

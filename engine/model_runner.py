@@ -61,8 +61,11 @@ class ModelRunner:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         dtype = parse_dtype(cfg.dtype)
-        if model is None:
-            model = load_model(resolve_model(cfg.model), dtype)
+        path = resolve_model(cfg.model) if model is None or cfg.quantization == "gguf" else None
+        gguf = gguf_source(path) if path is not None else None
+        if model is None and path is not None:  # the GGUF's own blocks replace the linears: never dequantized
+            model = load_model(path, dtype, gguf=gguf, linears=cfg.quantization != "gguf" or cfg.device != "cpu")
+        assert model is not None
         device = torch.device(
             "cuda"
             if cfg.device == "auto" and torch.cuda.is_available()
@@ -72,7 +75,8 @@ class ModelRunner:
         )
         if device.type == "cpu":
             keep_freed_memory()
-        model = model.to(device)
+        if device.type != "cpu":
+            model = model.to(device)
         weight_format.check(cfg.quantization, device.type)
         kernels: quant_linear.CpuLinear | None = None
         ops: cpu_elementwise.CpuElementwise | None = None
@@ -80,7 +84,6 @@ class ModelRunner:
             log.info("CPU level %s (%s)", cpu_isa.level(), f"capped by {cpu_isa.ENV}" if cpu_isa.cap() else "detected")
             wants_kernels = cfg.quantization != "none" or dtype == torch.bfloat16
             kernels = quant_linear.load(cache_dir() / "kernels") if wants_kernels else None
-            gguf = gguf_source(resolve_model(cfg.model)) if cfg.quantization == "gguf" else None
             log.info("%s", weight_format.apply(model, cfg.quantization, dtype, kernels, gguf, cfg.activations))
             log.info("%s", weights_into_huge_pages(model).describe())
         if device.type == "cpu" and cfg.fused_elementwise:

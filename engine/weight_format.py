@@ -1,11 +1,12 @@
-"""Which format each linear layer's weight is held in on a CPU (`--quantization`), and reading a GGUF file's own.
+"""Which format each linear layer's weight is held in on a CPU (`--quantization`).
 
 - `none`: the checkpoint's values in `--dtype`; fp32 stays on torch's GEMM (token-exact against transformers);
   bf16 stays on oneDNN's packed bf16 GEMM where the CPU computes bf16 natively (AMX, AVX512-BF16) and runs
   `cpu_linear.c` elsewhere, where oneDNN emulates bf16 several times slower than fp32.
 - `q8_0`, `q4_0`: every linear weight quantized at load, round to nearest in blocks of 32 (ggml's formats).
 - `gguf`: the tensors of the GGUF file the model came from, in the file's own types (Q8_0, Q4_0, Q4_1, F16,
-  BF16, F32), never requantized; the tied output layer reads the token embedding's blocks.
+  BF16, F32), never requantized (read by `engine.gguf_file`); the tied output layer reads the token embedding's
+  blocks.
 
 The embedding table and the norms stay in `--dtype`; so does the KV cache. The format is part of the KV layout's
 fingerprint (`KVLayout.weights`): workers whose weights differ compute different numbers and refuse to pair.
@@ -20,24 +21,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pdserve.engine.config import QUANTIZATIONS, ModelConfig
+from pdserve.engine.config import QUANTIZATIONS
+from pdserve.engine.gguf_file import GGUFFile
 from pdserve.kernels import cpu_isa, quant_linear
 from pdserve.kernels.packed_linear import PackedLinear, can_pack, pack_linears
-from pdserve.kernels.quant_linear import Blocks, CpuLinear, QuantLinear
+from pdserve.kernels.quant_linear import CpuLinear, QuantLinear
 
 log = logging.getLogger(__name__)
-
-_GGUF_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
-_GGUF_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def check(quantization: str, device: str) -> None:
@@ -46,64 +36,6 @@ def check(quantization: str, device: str) -> None:
         raise ValueError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
     if quantization != "none" and device != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on a CPU only; on a GPU use none (weights in --dtype)")
-
-
-def _unpermute(b: Blocks, heads: int) -> Blocks:
-    """llama.cpp's converter interleaves the two rotary halves of each q/k head's rows; put them back in the
-    order Hugging Face checkpoints (and this engine's rotary embedding) use."""
-    rows = torch.arange(b.n).view(heads, 2, b.n // heads // 2).transpose(1, 2).reshape(-1)
-    order = torch.empty_like(rows)
-    order[rows] = torch.arange(b.n)
-
-    def take(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[order].contiguous()
-
-    q = take(b.q)
-    assert q is not None
-    return Blocks(b.fmt, b.n, b.k, q, take(b.d), take(b.m))
-
-
-def gguf_linears(path: Path, cfg: ModelConfig) -> dict[str, Blocks]:
-    """Every linear weight of a Llama-family GGUF file as Blocks, named as `LlamaForCausalLM`'s modules
-    (q/k/v and gate/up fused); ValueError naming a tensor whose type no kernel here runs."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
-
-    def blocks(name: str) -> Blocks:
-        t = tensors[name]
-        kind = _GGUF_TYPES.get(t.tensor_type.name)
-        if kind is None:
-            raise ValueError(
-                f"{path.name}: tensor {name} is {t.tensor_type.name}, which pdserve's CPU kernels do not run "
-                f"(they run {', '.join(_GGUF_TYPES)}); use --quantization q8_0, q4_0 or none"
-            )
-        k, n = (int(x) for x in t.shape[:2])
-        raw = torch.from_numpy(t.data.copy())
-        if kind == "f16":
-            return Blocks("f32", n, k, raw.view(torch.float16).reshape(n, k).float())
-        if kind == "bf16":
-            return Blocks("bf16", n, k, raw.view(torch.bfloat16).reshape(n, k))
-        if kind == "f32":
-            return Blocks("f32", n, k, raw.view(torch.float32).reshape(n, k))
-        return quant_linear.from_gguf(raw.view(torch.uint8), kind, n, k)
-
-    out: dict[str, Blocks] = {}
-    for i in range(cfg.num_layers):
-        part: dict[str, Blocks] = {}
-        for short, hf in _GGUF_NAMES.items():
-            b = blocks(f"blk.{i}.{short}.weight")
-            if short in ("attn_q", "attn_k"):
-                b = _unpermute(b, cfg.num_heads if short == "attn_q" else cfg.num_kv_heads)
-            part[hf.split(".")[1]] = b
-        prefix = f"model.layers.{i}."
-        for fused, names in _FUSED.items():
-            out[prefix + fused] = quant_linear.concat([part[n] for n in names])
-        out[prefix + "self_attn.o_proj"] = part["o_proj"]
-        out[prefix + "mlp.down_proj"] = part["down_proj"]
-    out["lm_head"] = blocks("output.weight" if "output.weight" in tensors else "token_embd.weight")
-    return out
 
 
 def _linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -158,7 +90,7 @@ def apply(
     if quantization == "gguf":
         if gguf is None:
             raise ValueError("--quantization gguf needs a model that came from a .gguf file")
-        blocks = gguf_linears(gguf, model.config)  # type: ignore[arg-type]
+        blocks = GGUFFile(gguf).linears(model.config)  # type: ignore[arg-type]
         missing = sorted(set(linears) - set(blocks))
         if missing:
             raise ValueError(f"{gguf.name} has no weights for {missing[:3]}")

@@ -83,7 +83,9 @@ def hf_model(model_dir):
     """The default model in transformers, fp32: the oracle every end-to-end test compares against."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from pdserve.engine.model_store import transformers_dir
+
+    return AutoModelForCausalLM.from_pretrained(str(transformers_dir(model_dir)), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

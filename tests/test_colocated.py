@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from pdserve.client import Client
 from tests.conftest import hf_greedy
@@ -22,10 +21,8 @@ def stack():
     s.stop()
 
 
-async def test_colocated_greedy_matches_transformers(stack, model_dir):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+async def test_colocated_greedy_matches_transformers(stack, hf_model):
+    hf = hf_model
     prompts = [list(range(300, 300 + n)) for n in (3, 17, 70, 150)]  # 150 > the 64-token budget: chunked
     async with Client(stack.gateway) as client:
         results = await asyncio.gather(

@@ -116,12 +116,12 @@ def test_the_layer_picks_the_integer_packing_and_keeps_plain_formats(kernels):
 def test_the_built_in_model_tensors(kernels, model_dir):
     """Every format the built-in GGUF holds (Q4_1 projections, the Q8_0 head), against hidden-state-like rows."""
     from pdserve.engine.config import ModelConfig
+    from pdserve.engine.gguf_file import GGUFFile
     from pdserve.engine.model_store import gguf_source
-    from pdserve.engine.weight_format import gguf_linears
 
     gguf = gguf_source(model_dir)
     assert gguf is not None
-    blocks = gguf_linears(gguf, ModelConfig.from_dir(model_dir))
+    blocks = GGUFFile(gguf).linears(ModelConfig.from_dir(model_dir))
     gen = torch.Generator().manual_seed(0)
     for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.7.mlp.down_proj", "lm_head"):
         b = blocks[name]

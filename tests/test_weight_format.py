@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pdserve.engine import EngineConfig, EngineCore, SamplingParams
+from pdserve.engine.gguf_file import GGUFFile
 from pdserve.engine.model import load_model
 from pdserve.engine.model_store import gguf_source
-from pdserve.engine.weight_format import gguf_linears
 from pdserve.kernels import quant_linear
 from pdserve.kernels.kv_layout import LayoutMismatch
 from pdserve.kernels.quant_linear import QuantLinear
@@ -25,19 +25,51 @@ PROMPTS = [
 ]
 
 
-def test_gguf_blocks_are_the_checkpoint_transformers_dequantized(model_dir):
-    """Every linear weight read from the GGUF (q/k rows un-permuted, q/k/v and gate/up fused, the tied head from
-    the token embedding) equals, dequantized, the weight transformers converted from the same file."""
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _transformers_fused(hf_model) -> dict[str, torch.Tensor]:
+    """transformers' tensors under this engine's names (q/k/v and gate/up concatenated)."""
+    ref = dict(hf_model.state_dict())
+    out: dict[str, torch.Tensor] = {}
+    for name, t in ref.items():
+        if ".q_proj." in name:
+            out[name.replace("q_proj", "qkv_proj")] = torch.cat([ref[name.replace("q_proj", p)] for p in QKV])
+        elif ".gate_proj." in name:
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t, ref[name.replace("gate_proj", "up_proj")]])
+        elif not any(f".{p}." in name for p in ("k_proj", "v_proj", "up_proj")):
+            out[name] = t
+    return out
+
+
+def test_gguf_read_directly_is_what_transformers_makes_of_the_file(model_dir, hf_model):
+    """The engine reads the GGUF itself (its own index, the `gguf` package's dequantization, q/k rows un-permuted)
+    and gets every tensor transformers converts from the same file, bit for bit; its blocks dequantize to the
+    same linear weights."""
     gguf = gguf_source(model_dir)
     assert gguf is not None and gguf.suffix == ".gguf"
-    model = load_model(model_dir, torch.float32)
-    blocks = gguf_linears(gguf, model.config)
+    model = load_model(model_dir, torch.float32, gguf=gguf)
+    want = _transformers_fused(hf_model)
+    got = model.state_dict()
+    assert set(got) == set(want)
+    for name, t in got.items():
+        assert torch.equal(t, want[name]), name
+    blocks = GGUFFile(gguf).linears(model.config)
     assert len(blocks) == 4 * model.config.num_layers + 1
     assert blocks["lm_head"].fmt == "q8_0" and blocks["model.layers.0.self_attn.qkv_proj"].fmt == "q4_1"
     for name, b in blocks.items():
-        assert torch.equal(quant_linear.dequantize(b), model.get_submodule(name).weight), name
+        assert torch.equal(quant_linear.dequantize(b), want[name + ".weight"]), name
     file_bytes = sum(b.nbytes for b in blocks.values())
     assert 80e6 < file_bytes < 100e6  # about what the file holds, not the 540 MB of fp32
+
+
+def test_a_gguf_model_needs_no_converted_weights(model_dir):
+    """What `resolve_model` keeps of a GGUF is its config and tokenizer; with `--quantization gguf` the layers'
+    linear weights are never dequantized (the meta device holds them until the file's blocks replace them)."""
+    model = load_model(model_dir, torch.bfloat16, gguf=gguf_source(model_dir), linears=False)
+    qkv = model.get_submodule("model.layers.0.self_attn.qkv_proj")
+    assert qkv.weight.is_meta and not model.model.embed_tokens.weight.is_meta
+    assert model.model.norm.weight.dtype == torch.bfloat16
 
 
 def _generate(cfg: EngineConfig, logprobs: int | None = None) -> tuple[EngineCore, list[list[int]], list]:
