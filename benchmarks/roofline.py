@@ -3,6 +3,7 @@
     python -m pdserve.benchmarks.roofline [--formats fp32 bf16 q8_0 q4_0 gguf] [--threads 2] [--json out.json]
     PDSERVE_CPU_ISA=avx2 python -m pdserve.benchmarks.roofline      # the AVX2 paths on an AVX-512 machine
     python -m pdserve.benchmarks.roofline --formats fp32 bf16 gguf --served bf16 gguf   # and served
+    python -m pdserve.benchmarks.roofline --model random:llama-3.2-1b --formats gguf --served gguf  # a 1B shape
 
 For each weight format it times the engine's decode step (batch 1 / 8 / 32, context 192: schedule, forward,
 sample) and a prompt's prefill (128 and 1024 tokens, one step each), and divides each by its limit: the bytes
@@ -39,6 +40,8 @@ from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+
+from pdserve.benchmarks import random_gguf  # noqa: E402
 
 FORMATS = {  # name: (dtype, --quantization, --activations)
     "fp32": ("float32", "none", "exact"),
@@ -143,7 +146,7 @@ class Beside:
         return bandwidth(2), gemm_rate(2)
 
 
-def _engine(fmt: str, batch: int):
+def _engine(fmt: str, batch: int, model: str | None):
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine_core import EngineCore
     from pdserve.engine.model_store import resolve_model
@@ -151,7 +154,7 @@ def _engine(fmt: str, batch: int):
     dtype, quantization, activations = FORMATS[fmt]
     return EngineCore(
         EngineConfig(
-            model=str(resolve_model(None)),
+            model=str(resolve_model(model)),
             dtype=dtype,
             quantization=quantization,
             activations=activations,
@@ -162,11 +165,11 @@ def _engine(fmt: str, batch: int):
     )
 
 
-def measure(fmt: str, steps: int) -> tuple[list[Row], Sizes]:
+def measure(fmt: str, steps: int, model: str | None = None) -> tuple[list[Row], Sizes]:
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.weight_format import decode_linears, weight_bytes
 
-    core = _engine(fmt, 32)
+    core = _engine(fmt, 32, model)
     cfg = core.runner.config
     sizes = Sizes(
         weights=weight_bytes(core.runner.model),
@@ -205,7 +208,7 @@ def measure(fmt: str, steps: int) -> tuple[list[Row], Sizes]:
     return rows, sizes
 
 
-def served(fmt: str, sizes: Sizes, log: Path) -> list[Row]:
+def served(fmt: str, sizes: Sizes, log: Path, model: str | None = None) -> list[Row]:
     """The format served by `pdserve up --colocated` at each concurrency of SERVED (see the module's docstring)."""
     from pdserve.benchmarks.bench_stats import compute_metrics
     from pdserve.benchmarks.compare import load_target, pdserve_up
@@ -213,7 +216,8 @@ def served(fmt: str, sizes: Sizes, log: Path) -> list[Row]:
 
     dtype, quantization, activations = FORMATS[fmt]
     rows: list[Row] = []
-    with pdserve_up(log, dtype, quantization, colocated=True, activations=activations) as (address, _):
+    up = pdserve_up(log, dtype, quantization, colocated=True, activations=activations, model=model or "default")
+    with up as (address, _):
         for concurrency, n in SERVED:
             reqs = make_requests(n, [PROMPT], OUTPUT, concurrency, None, vocab=(1000, 40000))
             warm = make_requests(2, [PROMPT], 8, 1000 + concurrency, None, vocab=(1000, 40000))
@@ -232,6 +236,22 @@ def served(fmt: str, sizes: Sizes, log: Path) -> list[Row]:
     return rows
 
 
+def _model(arg: str | None) -> str | None:
+    """The model to run: `random:SHAPE` becomes that random GGUF in the cache (written the first time)."""
+    if arg is None or not arg.startswith("random:"):
+        return arg
+    from pdserve.engine.model_store import cache_dir
+
+    shape = arg.removeprefix("random:")
+    if shape not in random_gguf.SHAPES:
+        raise SystemExit(f"--model {arg}: no shape {shape!r} (there are {', '.join(random_gguf.SHAPES)})")
+    path = cache_dir() / "random" / f"{shape}-random.Q4_0.gguf"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        random_gguf.write(random_gguf.SHAPES[shape], path)
+    return str(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", nargs="+", default=list(FORMATS)[:5], choices=list(FORMATS))
@@ -242,7 +262,13 @@ def main() -> None:
         "--served", nargs="*", choices=list(FORMATS), help="also serve these formats (none named: all) at c=1, 8, 32"
     )
     ap.add_argument("--log-dir", type=Path, default=Path("."), help="where --served writes the server's logs")
+    ap.add_argument(
+        "--model",
+        help="a model directory or .gguf file (default: the built-in one), or random:SHAPE for a random-weight Q4_0 "
+        f"GGUF of that shape ({', '.join(random_gguf.SHAPES)}), written once to the cache",
+    )
     args = ap.parse_args()
+    model = _model(args.model)
     if args.served is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
@@ -252,12 +278,12 @@ def main() -> None:
     bw, gemm = bandwidth(), gemm_rate()
     rows: list[Row] = []
     for fmt in args.formats:
-        measured, sizes = measure(fmt, args.steps)
+        measured, sizes = measure(fmt, args.steps, model)
         if args.served is not None and (not args.served or fmt in args.served):
-            measured += served(fmt, sizes, args.log_dir / f"roofline-served-{fmt}.log")
+            measured += served(fmt, sizes, args.log_dir / f"roofline-served-{fmt}.log", model)
         rows += measured
         bw, gemm = max(bw, bandwidth()), max(gemm, gemm_rate())
-    print(f"CPU level {cpu_isa.level()} (flags: {' '.join(flags)}), {args.threads} threads")
+    print(f"model {model or 'default'}; CPU level {cpu_isa.level()} (flags: {' '.join(flags)}), {args.threads} threads")
     print(f"limits (best in the run): streaming read {bw / 1e9:.1f} GB/s, fp32 GEMM {gemm / 1e9:.0f} GFLOP/s\n")
     print("| format | step | ms | limit ms | bound by | ratio | beside: GB/s | ratio |")
     print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
@@ -271,6 +297,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(
                 {
+                    "model": model or "default",
                     "level": cpu_isa.level(),
                     "flags": flags,
                     "bandwidth_gbs": bw / 1e9,
