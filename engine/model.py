@@ -227,20 +227,10 @@ def load_model(
     model.rope = rope_cache(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model = model.to(dtype=dtype) if linears else _meta_kept(model, dtype)
-    return model.to(device=device).eval().requires_grad_(False) if linears else model.eval()
-
-
-def _meta_kept(model: LlamaForCausalLM, dtype: torch.dtype) -> LlamaForCausalLM:
-    """`dtype` for the loaded tensors, the meta ones left as they are (a module-wide `.to` cannot move them)."""
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False):
-            if not p.is_meta and p.dtype != dtype:
-                setattr(module, name, nn.Parameter(p.to(dtype), requires_grad=False))
-        for name, b in module.named_buffers(recurse=False):
-            if b.is_floating_point() and b.dtype != dtype:
-                setattr(module, name, b.to(dtype))
-    return model.requires_grad_(False)
+    if linears:
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model.rope = model.rope.to(dtype)  # the file's tensors came in dtype; a module-wide .to cannot move meta ones
+    return model.eval().requires_grad_(False)
 
 
 def _is_linear(model: nn.Module, param: str) -> bool:

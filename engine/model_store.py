@@ -71,7 +71,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path, weights: bool = False) -> Path:
         config.save_pretrained(str(tmp))
         GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
-    (tmp / _SOURCE_FILE).write_text(f"{gguf_path.resolve()}\n")
     os.replace(tmp, out_dir) if not out_dir.exists() else _swap(tmp, out_dir)
     return out_dir
 
@@ -83,9 +82,10 @@ def _swap(tmp: Path, out_dir: Path) -> None:
     os.replace(tmp, out_dir)
 
 
-def _converted(gguf: Callable[[], Path], out: Path, required: tuple[str, ...] = _REQUIRED_FILES) -> Path:
+def _converted(gguf: Callable[[], Path], out: Path, weights: bool = False) -> Path:
     """The converted copy of a GGUF at `out`, converting it first if needed. A file lock makes processes that
     start together (a stack on a fresh machine) convert once and wait for each other, not race."""
+    required = (*_REQUIRED_FILES, "model.safetensors") if weights else _REQUIRED_FILES
     if _is_complete(out, required):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -93,7 +93,7 @@ def _converted(gguf: Callable[[], Path], out: Path, required: tuple[str, ...] = 
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not _is_complete(out, required):
-                convert_gguf(gguf(), out, weights="model.safetensors" in required)
+                convert_gguf(gguf(), out, weights)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return out
@@ -152,6 +152,4 @@ def transformers_dir(model_dir: Path) -> Path:
     gguf = gguf_source(model_dir)
     if gguf is None:
         return model_dir
-    return _converted(
-        lambda: gguf, model_dir.with_name(model_dir.name + "-transformers"), (*_REQUIRED_FILES, "model.safetensors")
-    )
+    return _converted(lambda: gguf, model_dir.with_name(model_dir.name + "-transformers"), weights=True)
