@@ -176,6 +176,7 @@ class DecodeWorker:
         error: BaseException | None = None
         try:
             with watch.admitting():
+                await self.loop.constrain(seq)
                 if remote:
                     await self.loop.reserve(seq)
             with watch.first_token():

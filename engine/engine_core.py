@@ -14,6 +14,7 @@ it are this core's own.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -23,8 +24,10 @@ import torch
 from pdserve.engine.block_allocator import BlockAllocator, CacheListener
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import SamplingError
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.model import LlamaForCausalLM
 from pdserve.engine.model_runner import LayerHook, ModelRunner
+from pdserve.engine.model_store import resolve_model
 from pdserve.engine.request_check import check_request
 from pdserve.engine.sampling_params import SampleOutput, SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -100,6 +103,9 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.watermark, max_reserving
         )
+        self._model = cfg.model
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self.in_step: set[Sequence] = set()  # sequences in the forward in flight: their blocks are in use
         self._abort_after_step: set[Sequence] = set()
         self.num_preemptions = 0
@@ -142,14 +148,34 @@ class EngineCore:
             num_prompt_tokens,
         )
 
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar compiler for this model's tokenizer, built on the first constrained request."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                cfg = self.model_config
+                tokenizer = resolve_model(self._model) / "tokenizer.json"
+                self._grammars = Grammars(tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+            return self._grammars
+
+    def constrain(self, seq: Sequence) -> None:
+        """Give a constrained sequence its grammar state, having taken the tokens it generated already (compiles
+        a constraint not seen lately: call it off the model thread, `EngineLoop.constrain`). InvalidParameter if
+        the constraint does not compile."""
+        constraint = seq.params.constraint
+        if constraint is not None and seq.grammar is None:
+            seq.grammar = self.grammars.state(constraint, seq.output_ids)
+
     def add(self, seq: Sequence) -> None:
         """Queue a sequence whose KV is still to be computed (a prompt, or a sequence to recompute)."""
+        self.constrain(seq)
         self.scheduler.add(seq)
 
     def reserve(self, seq: Sequence) -> bool:
         """Blocks for every token of `seq`, which another process will fill (its remote prefill): True when
         reserved now, False when it queues for them (`grant` hands them out later, in arrival order).
         PoolExhausted when that queue is full. `abort` releases a reservation in any state."""
+        self.constrain(seq)
         return self.scheduler.reserve(seq)
 
     def grant(self) -> list[Sequence]:
@@ -161,6 +187,8 @@ class EngineCore:
         runs here from that token, or, if that token ended it, is finished and its blocks freed."""
         assert seq.status is SequenceStatus.AWAITING_KV, seq.status
         seq.num_cached_tokens = cached_tokens
+        if seq.grammar is not None and not seq.grammar.accept(token_id):
+            raise SamplingError(f"the first token ({token_id}) breaks the request's constraint")
         seq.append(token_id, self.model_config.eos_token_ids, self.max_model_len)
         if seq.finish_reason is not None:
             self.scheduler.finish(seq, seq.finish_reason)
@@ -209,6 +237,9 @@ class EngineCore:
                 continue
             if sample is None or seq.is_finished:
                 continue
+            if seq.grammar is not None and not isinstance(sample, SamplingError):
+                if not seq.grammar.accept(sample.token_id):
+                    sample = SamplingError(f"token {sample.token_id} breaks the constraint: {seq.grammar.error}")
             if isinstance(sample, SamplingError):  # this sequence alone fails
                 self.scheduler.finish(seq, "abort")
                 outputs.append(StepOutput(seq, None, sample))

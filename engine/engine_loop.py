@@ -100,6 +100,13 @@ class EngineLoop:
         self.core.add(seq)
         self._wakeup.set()
 
+    async def constrain(self, seq: Sequence) -> None:
+        """Compile `seq`'s constraint (if it has one) on a worker thread, neither the event loop nor the model
+        thread, so a new schema stalls no batch; InvalidParameter if it does not compile. `submit` and
+        `reserve` would otherwise compile it inline."""
+        if seq.params.constraint is not None and seq.grammar is None:
+            await asyncio.to_thread(self.core.constrain, seq)
+
     async def reserve(self, seq: Sequence) -> None:
         """Hold blocks for `seq`'s KV, which another process computes, waiting in arrival order while the pool is
         full (PoolExhausted when too many wait already). However it ends, `abort` releases what it holds."""

@@ -195,7 +195,11 @@ class ModelRunner:
         if inputs.sample_rows:
             seqs = [batch.seqs[i] for i in inputs.sample_rows]
             samples = self.sampler.sample(
-                logits, [s.params for s in seqs], [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs]
+                logits,
+                [s.params for s in seqs],
+                [s.token_ids for s in seqs],
+                [s.num_prompt_tokens for s in seqs],
+                [s.grammar for s in seqs],
             )
             for row, sample in zip(inputs.sample_rows, samples):
                 out[row] = sample

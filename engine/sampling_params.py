@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.errors import InvalidParameter
+from pdserve.engine.grammar import KINDS, MAX_SPEC_CHARS, Constraint
 
 
 @dataclass
@@ -24,6 +25,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
+    constraint: Constraint | None = None  # what the output must match (JSON schema, regex, grammar)
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 1024  # entries
@@ -76,6 +78,13 @@ class SamplingParams:
                 raise InvalidParameter(
                     "logit_bias", f"logit_bias keys must be token ids in [0, {vocab_size}), got {token}"
                 )
+        if self.constraint is not None:
+            if self.constraint.kind not in KINDS:
+                raise InvalidParameter(
+                    "constraint", f"constraint kind must be one of {', '.join(KINDS)}, got {self.constraint.kind!r}"
+                )
+            if len(self.constraint.spec) > MAX_SPEC_CHARS:
+                raise InvalidParameter("constraint", f"constraint is longer than {MAX_SPEC_CHARS} characters")
         return self
 
 

@@ -6,8 +6,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.grammar import GrammarState
 
 _seq_ids = itertools.count()
 
@@ -36,6 +40,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    grammar: GrammarState | None = None  # where its constraint stands; it has taken every output token
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -58,12 +63,15 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def append(self, token_id: int, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
-        """Add a sampled token and decide whether the sequence is done."""
+        """Add a sampled token (its grammar, if any, has taken it already) and decide whether the sequence is
+        done: a complete grammar ends it as a stop, since nothing but the end may follow."""
         self.token_ids.append(token_id)
         n = self.num_output_tokens
         if n >= self.params.min_tokens and (
             (not self.params.ignore_eos and token_id in eos_token_ids) or token_id in self.params.stop_token_ids
         ):
+            self.finish_reason = "stop"
+        elif self.grammar is not None and self.grammar.done:
             self.finish_reason = "stop"
         elif n >= self.params.max_tokens or len(self.token_ids) >= max_model_len:
             self.finish_reason = "length"

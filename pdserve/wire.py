@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.grammar import Constraint
 from pdserve.engine.sampling_params import SampleOutput, SamplingParams
 from pdserve.protos import common_pb2, worker_pb2
 
@@ -33,6 +34,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
+        constraint=constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None,
         **kwargs,
     )
 
@@ -45,6 +47,20 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         value = getattr(params, name)
         if value is not None:
             setattr(msg, name, value)
+    if params.constraint is not None:
+        msg.constraint.CopyFrom(constraint_to_proto(params.constraint))
+    return msg
+
+
+def constraint_from_proto(msg: common_pb2.Constraint) -> Constraint:
+    """A set Constraint message -> the engine's; one with no kind set reads as an unknown kind (refused)."""
+    kind = msg.WhichOneof("kind") or ""
+    return Constraint(kind, getattr(msg, kind) if kind else "", msg.strict)
+
+
+def constraint_to_proto(constraint: Constraint) -> common_pb2.Constraint:
+    msg = common_pb2.Constraint(strict=constraint.strict)
+    setattr(msg, constraint.kind, constraint.spec)
     return msg
 
 

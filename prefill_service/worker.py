@@ -147,6 +147,7 @@ class PrefillWorker:
         seq = Sequence(
             job.request_id, list(job.token_ids), job.params, num_prompt_tokens=job.num_prompt_tokens, prefill_only=True
         )
+        await self.loop.constrain(seq)
         entry = _Job(job, seq, asyncio.get_running_loop().create_future(), watch)
         self._jobs[seq] = entry
         self.loop.submit(seq, lambda out: self._on_output(entry, out))
