@@ -101,13 +101,15 @@ class OpenAIFront:
         """The response to one generation request: an error, a whole completion, or a stream."""
         try:
             self.authorize(request)
-            parsed = parse_request(await self.body(request), chat)
+            parsed = parse_request(await self.body(request), chat, self.path.tokenizer.renders_tools)
             self.path.check(parsed.request)
         except RequestError as e:
             span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
             return error_response(e)
         req = parsed.request
-        renderer = Renderer(self.path.tokenizer, chat, req.model or self.path.model_name, parsed.top_logprobs)
+        renderer = Renderer(
+            self.path.tokenizer, chat, req.model or self.path.model_name, parsed.top_logprobs, parsed.tools
+        )
         if parsed.stream:
             return StreamingResponse(
                 _sse(self.path, req, renderer, parsed.include_usage, span),
@@ -190,13 +192,12 @@ async def _complete(path: RequestPath, req: GenerationRequest, renderer: Rendere
 async def _sse(
     path: RequestPath, req: GenerationRequest, renderer: Renderer, include_usage: bool, span: trace.Span
 ) -> AsyncIterator[str]:
-    first = True
     try:
         with trace.use_span(span, end_on_exit=False):
             try:
                 async for delta in path.run(req, "http"):
-                    yield renderer.chunk([renderer.stream_choice(delta, first)], None)
-                    first = False
+                    for choice in renderer.stream_choices(delta):
+                        yield renderer.chunk([choice], None)
                     if delta.finish_reason and include_usage and delta.usage is not None:
                         yield renderer.chunk([], renderer.usage(delta.usage))
             except RequestError as e:  # the status line is sent: the error travels as an event, as vLLM does

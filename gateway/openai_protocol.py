@@ -1,10 +1,13 @@
 """The OpenAI API's request bodies, validated by pydantic models and read into the gateway's own request.
 
-OpenAI's parameters plus vLLM's extras (top_k, min_p, min_tokens, ignore_eos, repetition_penalty, stop_token_ids) and
-logit_bias. Types are strict (a string is not a number, a bool is not an integer) and ranges are the proto fields'
-(a value beyond them is the caller's error, not a protobuf exception). A parameter this server does not implement
-(tools, response_format other than text, ...) or does not know gets a 400 naming it, as OpenAI answers; so does
-every value of the wrong type or out of range: a `RequestError` whose `param` is the field at fault.
+OpenAI's parameters plus vLLM's extras (top_k, min_p, min_tokens, ignore_eos, repetition_penalty, stop_token_ids,
+and the structured-output fields guided_json / guided_regex / guided_choice / guided_grammar) and logit_bias.
+`response_format` json_object and json_schema, and the guided_* fields, become one output constraint (at most one
+per request). Types are strict (a string is not a number, a bool is not an integer) and ranges are the proto fields'
+(a value beyond them is the caller's error, not a protobuf exception). Chat `tools`, `tool_choice` and
+`parallel_tool_calls` are read into a `ToolPlan` (`gateway.tool_calls`). A parameter this server does not implement
+(the deprecated `functions`, audio, ...) or does not know gets a 400 naming it, as OpenAI answers; so does every
+value of the wrong type or out of range: a `RequestError` whose `param` is the field at fault.
 """
 
 from __future__ import annotations
@@ -17,15 +20,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pdserve.engine.grammar import Constraint
 from pdserve.gateway.request import GenerationRequest, invalid
+from pdserve.gateway.tool_calls import ToolPlan, chat_messages, plan
 from pdserve.protos import common_pb2
+from pdserve.wire import constraint_to_proto
 
 MAX_TOP_LOGPROBS = 20
 U32 = 2**32 - 1
 
 # OpenAI parameters this server does not implement: refused by name rather than silently ignored (OpenAI itself
 # refuses arguments it does not know); `response_format: {"type": "text"}` is the default and accepted
-UNSUPPORTED: tuple[str, ...] = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+UNSUPPORTED: tuple[str, ...] = ("functions", "function_call")  # the deprecated forms of tools / tool_choice
 UNSUPPORTED += ("audio", "modalities", "prediction", "web_search_options", "reasoning_effort")
 
 Count = Annotated[int, Field(ge=0, le=U32)]
@@ -41,12 +47,38 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
-    """A chat message: its role and text (other fields a client sends with it are ignored)."""
+    """A chat message: its role and text, an assistant's earlier tool calls, a tool result's call id (other
+    fields a client sends with it are ignored)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if (value := getattr(self, key)) is not None:
+                out[key] = value
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -54,9 +86,18 @@ class Message(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(_Strict):
@@ -78,6 +119,11 @@ class _Common(_Strict):
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
     user: Any = None
     metadata: Any = None
     store: Any = None
@@ -86,10 +132,12 @@ class _Common(_Strict):
 
 class ChatBody(_Common):
     messages: list[Message] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=U32)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
 
 
 class CompletionBody(_Common):
@@ -108,10 +156,12 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs
+    tools: ToolPlan | None = None
 
 
-def parse_request(body: dict, chat: bool) -> ParsedRequest:
-    """The gateway request an OpenAI body asks for; a RequestError naming the parameter when it is wrong."""
+def parse_request(body: dict, chat: bool, renders_tools: bool = False) -> ParsedRequest:
+    """The gateway request an OpenAI body asks for; a RequestError naming the parameter when it is wrong.
+    `renders_tools`: the model's chat template writes tools itself (`gateway.tool_calls`)."""
     for name in UNSUPPORTED:
         if body.get(name) is not None:
             raise invalid(name, f"{name} is not supported by this server")
@@ -119,13 +169,26 @@ def parse_request(body: dict, chat: bool) -> ParsedRequest:
     parsed = _validate(ChatBody if chat else CompletionBody, body)
     sampling, top = _sampling(parsed)
     req = GenerationRequest(uuid.uuid4().hex, sampling, stop=_stop(parsed.stop), model=parsed.model)
+    tools = plan(parsed.tools, parsed.tool_choice, parsed.parallel_tool_calls) if isinstance(parsed, ChatBody) else None
+    constrained = _constraint(parsed)
+    tool_constraint = tools.constraint() if tools is not None else None
+    if tools is not None and tool_constraint is not None:
+        if constrained is not None:
+            raise invalid("tool_choice", f"tool_choice {tools.choice!r} constrains the output: {constrained[0]} cannot")
+        constrained = ("tools", tool_constraint)
+    if constrained is not None:
+        req.constraint_param, constraint = constrained
+        sampling.constraint.CopyFrom(constraint_to_proto(constraint))
     if isinstance(parsed, ChatBody):
-        req.messages = [{"role": m.role, "content": m.text()} for m in parsed.messages]
+        messages = [m.as_template_input() for m in parsed.messages]
+        req.messages = chat_messages(messages, tools, renders_tools)
+        if renders_tools and tools is not None and tools.choice != "none":
+            req.template_tools = tools.template_tools()
     else:
         req.prompt, req.token_ids = _prompt(parsed.prompt)
     stream = bool(parsed.stream)
     include_usage = stream and bool((parsed.stream_options or {}).get("include_usage"))
-    return ParsedRequest(req, stream, include_usage, top)
+    return ParsedRequest(req, stream, include_usage, top, tools)
 
 
 def _validate(model: type[ChatBody] | type[CompletionBody], body: dict) -> ChatBody | CompletionBody:
@@ -176,9 +239,34 @@ def _sampling(body: ChatBody | CompletionBody) -> tuple[common_pb2.SamplingParam
     return s, top
 
 
+def _constraint(body: ChatBody | CompletionBody) -> tuple[str, Constraint] | None:
+    """The output constraint the body asks for, and the parameter that asked; None if none. Checked by the
+    gateway's request check (`request.check`), which names that parameter when it does not compile."""
+    asked: list[tuple[str, Constraint]] = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", Constraint("json_schema", '{"type": "object"}')))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise invalid("response_format", "response_format: json_schema needs json_schema.schema")
+        spec = json.dumps(fmt.json_schema.schema_)
+        asked.append(("response_format", Constraint("json_schema", spec, bool(fmt.json_schema.strict))))
+    if body.guided_json is not None:
+        spec = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+        asked.append(("guided_json", Constraint("json_schema", spec)))
+    if body.guided_regex is not None:
+        asked.append(("guided_regex", Constraint("regex", body.guided_regex)))
+    if body.guided_choice is not None:
+        lark = "start: " + " | ".join(json.dumps(choice) for choice in body.guided_choice)
+        asked.append(("guided_choice", Constraint("lark", lark)))
+    if body.guided_grammar is not None:
+        asked.append(("guided_grammar", Constraint("lark", body.guided_grammar)))
+    if len(asked) > 1:
+        raise invalid(asked[1][0], f"{asked[1][0]}: only one of {', '.join(p for p, _ in asked)} may be given")
+    return asked[0] if asked else None
+
+
 def _chat_logprobs(body: ChatBody) -> int | None:
-    if body.response_format is not None and body.response_format.type != "text":
-        raise invalid("response_format", "response_format is not supported by this server (only {'type': 'text'})")
     if body.logprobs:
         return body.top_logprobs or 0
     if body.top_logprobs is not None:

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from pdserve.gateway.request import Delta, RequestError
 from pdserve.gateway.tokenizer import Tokenizer
+from pdserve.gateway.tool_calls import ToolCall, ToolPlan
 from pdserve.protos import common_pb2
 
 
@@ -30,12 +31,18 @@ def error_response(e: RequestError) -> JSONResponse:
 class Renderer:
     """Turns the request path's deltas into OpenAI's JSON, for one request."""
 
-    def __init__(self, tokenizer: Tokenizer, chat: bool, model: str, top: int | None) -> None:
-        self.tokenizer, self.chat, self.model, self.top = tokenizer, chat, model, top
+    def __init__(
+        self, tokenizer: Tokenizer, chat: bool, model: str, top: int | None, tools: ToolPlan | None = None
+    ) -> None:
+        self.tokenizer, self.chat, self.model, self.top, self.tools = tokenizer, chat, model, top, tools
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self._offset = 0
+        self._first = True  # no chunk streamed yet
+        # streamed deltas held back while the answer may be a tool call: all of them when the output is one by
+        # construction, else until its first characters say (None: not holding)
+        self._held: list[Delta] | None = [] if tools is not None and tools.choice != "none" else None
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -92,6 +99,37 @@ class Renderer:
             body["usage"] = usage
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
+    def stream_choices(self, delta: Delta) -> list[dict]:
+        """The choices to stream for one delta: none while a possible tool call is held back."""
+        if self._held is None:
+            return [self._emit(delta)]
+        self._held.append(delta)
+        text = "".join(d.text for d in self._held)
+        if not delta.finish_reason:
+            if self.tools is not None and (self.tools.constrained or _may_be_call(text)):
+                return []
+            held, self._held = self._held, None
+            return [self._emit(_merged(held))]
+        held, self._held = self._held, None
+        merged = _merged(held)
+        calls = self._calls(text, delta.finish_reason)
+        if calls is None:
+            return [self._emit(merged)]
+        d: dict = {"role": "assistant"} if self._first else {}
+        d |= {"content": None, "tool_calls": [c.as_openai(i) for i, c in enumerate(calls)]}
+        self._first = False
+        return [{"index": 0, "delta": d, "logprobs": self.logprobs(merged), "finish_reason": "tool_calls"}]
+
+    def _emit(self, delta: Delta) -> dict:
+        choice = self.stream_choice(delta, self._first)
+        self._first = False
+        return choice
+
+    def _calls(self, text: str, finish: str) -> list[ToolCall] | None:
+        if self.tools is None or finish != "stop":
+            return None
+        return self.tools.calls(text)
+
     def stream_choice(self, delta: Delta, first: bool) -> dict:
         if self.chat:
             d = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
@@ -102,12 +140,12 @@ class Renderer:
 
     def whole(self, text: str, logprobs: dict | None, finish: str, usage: common_pb2.Usage) -> dict:
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
+            message: dict = {"role": "assistant", "content": text}
+            calls = self._calls(text, finish)
+            if calls is not None:
+                message = {"role": "assistant", "content": None, "tool_calls": [c.as_openai() for c in calls]}
+                finish = "tool_calls"
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {
@@ -118,3 +156,24 @@ class Renderer:
             "choices": [choice],
             "usage": self.usage(usage),
         }
+
+
+_CALL_STARTS = ("{", "[", "<tool_call>")
+
+
+def _may_be_call(text: str) -> bool:
+    """Whether an answer that begins with `text` may still be a tool call (auto): undecided while it is blank or
+    a prefix of a call's opening."""
+    head = text.lstrip()
+    return not head or any(head.startswith(s) or s.startswith(head) for s in _CALL_STARTS)
+
+
+def _merged(deltas: list[Delta]) -> Delta:
+    last = deltas[-1]
+    return Delta(
+        "".join(d.text for d in deltas),
+        [t for d in deltas for t in d.token_ids],
+        [lp for d in deltas for lp in d.logprobs],
+        last.finish_reason,
+        last.usage,
+    )

@@ -52,6 +52,8 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     model: str = ""
     deadline: float | None = None  # time.monotonic() by which the request must end
+    constraint_param: str = "constraint"  # the caller's name for `sampling.constraint` (OpenAI: response_format...)
+    template_tools: list[dict] | None = None  # the tools the chat template renders (OpenAI's tool objects)
 
 
 @dataclass
@@ -84,7 +86,9 @@ def check(req: GenerationRequest, model_name: str, max_prompt_bytes: int) -> Non
             "stop", f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LENGTH} characters"
         )
     try:  # the engine's own rules, here before any work is done (the workers, which know the model, recheck)
-        sampling_from_proto(req.sampling).validate()
+        params = sampling_from_proto(req.sampling).validate()
+        if params.constraint is not None:
+            params.constraint.check(req.constraint_param)
     except InvalidParameter as e:
         raise invalid(e.param, str(e)) from None
 

@@ -72,7 +72,9 @@ class RequestPath:
             ids = await loop.run_in_executor(self._tokenize, self.tokenizer.encode, req.prompt)
         elif req.messages is not None:
             try:
-                ids = await loop.run_in_executor(self._tokenize, self.tokenizer.apply_chat_template, req.messages)
+                ids = await loop.run_in_executor(
+                    self._tokenize, self.tokenizer.apply_chat_template, req.messages, req.template_tools
+                )
             except Exception as e:  # noqa: BLE001 - template errors are the caller's input
                 raise invalid("messages", f"the chat template failed on these messages: {e}") from None
         else:

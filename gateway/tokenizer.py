@@ -67,15 +67,24 @@ class Tokenizer:
                 ids.append(self.eos_token_id)  # type: ignore[arg-type]
         return ids
 
-    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        """Chat messages as the template writes them, ending with the assistant turn's opening."""
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None) -> str:
+        """Chat messages (and the tools on offer, as transformers passes them) as the template writes them,
+        ending with the assistant turn's opening."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a raw prompt")
-        return self._template.render(messages=list(messages), add_generation_prompt=True, **self.special_tokens)
+        return self._template.render(
+            messages=list(messages), tools=tools, add_generation_prompt=True, **self.special_tokens
+        )
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         """Chat messages -> prompt ids (the template writes the special tokens; none are added)."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template writes the tools it is given (else the gateway offers them in a system
+        message: `gateway.tool_calls`)."""
+        return "tools" in (self.chat_template or "")
 
     @cached_property
     def _template(self) -> Any:

@@ -60,3 +60,36 @@ async def test_colocated_cancel_frees_blocks_and_metrics_count(stack):
         await asyncio.sleep(0.1)
         after = scrape(stack.metrics["decode"])
     assert after.get(cancelled, 0) - before.get(cancelled, 0) == 1
+
+
+async def test_colocated_constraint_over_grpc(stack):
+    """The gRPC API's own constraint field, in one process: the answer validates; a regex that does not compile
+    is INVALID_ARGUMENT naming `constraint`."""
+    import json
+
+    import grpc
+    import jsonschema
+
+    from pdserve.protos import common_pb2
+
+    schema = {
+        "type": "object",
+        "properties": {"colours": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
+        "required": ["colours"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "Name three colours, as JSON."}]
+    async with Client(stack.gateway) as client:
+        got = await client.complete(
+            messages=messages,
+            max_tokens=60,
+            temperature=0.0,
+            constraint=common_pb2.Constraint(json_schema=json.dumps(schema), strict=True),
+        )
+        jsonschema.validate(json.loads(got.text), schema)
+        assert got.finish_reason == "stop"
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await client.complete(prompt="x", max_tokens=4, constraint=common_pb2.Constraint(regex="a(b"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "constraint" in (e.value.details() or "")
+    trailers = dict(e.value.trailing_metadata() or ())
+    assert trailers.get("pdserve-invalid-parameter") == "constraint", trailers

@@ -44,8 +44,8 @@ class _Streams:
     """N streams through one gateway; each keeps what it received so far, and ends as a Completion or the
     AioRpcError that ended it."""
 
-    def __init__(self, gateway: str, seeded: bool) -> None:
-        self.gateway, self.seeded = gateway, seeded
+    def __init__(self, gateway: str, seeded: bool, extra: dict | None = None) -> None:
+        self.gateway, self.seeded, self.extra = gateway, seeded, extra or {}
         self.received = [0] * N
         self.task = asyncio.ensure_future(self._run())
 
@@ -55,9 +55,8 @@ class _Streams:
 
     async def _one(self, client: Client, i: int) -> Completion | grpc.aio.AioRpcError:
         out = Completion()
-        call = client.stream(
-            prompt=PROMPTS[i], max_tokens=MAX_TOKENS, ignore_eos=True, timeout=BOUND_S, **_sampling(i, self.seeded)
-        )
+        kw = {"max_tokens": MAX_TOKENS, "ignore_eos": True, **_sampling(i, self.seeded), **self.extra}
+        call = client.stream(prompt=PROMPTS[i], timeout=BOUND_S, **kw)
         try:
             async for resp in call:
                 out.text += resp.text
@@ -213,6 +212,38 @@ async def test_killing_the_busiest_decode_worker_loses_no_stream(observed, seede
                 assert span.name == "/pdserve.v1.Generation/Generate" and span.attributes["pdserve.migrations"] >= 1
     lines = [json.loads(line) for line in (logs / "gateway.log").read_text().splitlines() if line.startswith("{")]
     assert sum(1 for line in lines if line.get("migrations", 0) >= 1) >= moved
+
+
+ITEMS = {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 6, "maxItems": 6}
+
+
+async def test_a_constrained_stream_moved_by_kill_stays_valid(stack):
+    """Streams under a JSON schema, the busiest decode worker killed: each moved stream's grammar state is
+    rebuilt from the tokens it carries, so every answer still validates and equals its unbroken run."""
+    import jsonschema
+
+    constraint = common_pb2.Constraint(json_schema=json.dumps(ITEMS), strict=True)
+    extra = {"max_tokens": 160, "temperature": 0.0, "constraint": constraint}
+    async with Client(stack.gateway) as client:
+        reference = await asyncio.gather(
+            *(client.complete(prompt=PROMPTS[i], timeout=BOUND_S, **extra) for i in range(N))
+        )
+    for want in reference:
+        jsonschema.validate(json.loads(want.text), ITEMS)
+    before = _migrations(stack)
+    streams = _Streams(stack.gateway, False, extra)
+    await streams.started()
+    victim = _busiest(stack)
+    _proc(stack, victim).send_signal(signal.SIGKILL)
+    results = await streams.results()
+    assert _migrations(stack) - before >= 1
+    for i, (got, want) in enumerate(zip(results, reference)):
+        assert isinstance(got, Completion), (i, got)
+        assert got.finish_reason == "FINISH_REASON_STOP" and got.token_ids == want.token_ids, (i, got.text)
+        jsonschema.validate(json.loads(got.text), ITEMS)
+    survivor = next(a for a in stack.decode if a != victim)
+    await _idle(stack, survivor)
+    _restart(stack, victim)
 
 
 async def test_a_rolling_restart_of_every_decode_worker_fails_nothing(stack):

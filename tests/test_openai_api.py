@@ -172,14 +172,12 @@ CHAT = {"messages": [{"role": "user", "content": "What is the weather?"}], "max_
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("tools", [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]),
-        ("tool_choice", "auto"),
-        ("parallel_tool_calls", True),
-        ("response_format", {"type": "json_object"}),
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}),
+        ("n", 3),
+        ("functions", [{"name": "weather", "parameters": {"type": "object"}}]),
+        ("tool_choice", "required"),  # without tools
         ("frobnicate", 1),
     ],
-    ids=["tools", "tool_choice", "parallel_tool_calls", "json_object", "json_schema", "unknown"],
+    ids=["n", "functions", "tool_choice-without-tools", "unknown"],
 )
 async def test_unimplemented_fields_get_400_naming_them(stack, field, value):
     """Nothing is silently dropped: a field this server does not implement, or does not know, is refused."""
@@ -194,6 +192,205 @@ async def test_response_format_text_is_the_default_and_accepted(stack):
         body = {**CHAT, "response_format": {"type": "text"}}
         async with s.post(stack.http + "/v1/chat/completions", json=body) as resp:
             assert resp.status == 200, await resp.text()
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "days": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "day": {"enum": ["mon", "tue", "wed"]},
+                    "celsius": {"type": "integer", "minimum": -40, "maximum": 50},
+                    "rain_mm": {"type": "number", "minimum": 0, "maximum": 99},
+                },
+                "required": ["day", "celsius"],
+                "additionalProperties": False,
+            },
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "note": {"type": "string", "maxLength": 30},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+async def test_json_schema_answers_validate_through_the_official_client(stack):
+    """response_format json_schema on the disaggregated stack (the prefill worker samples the first token under
+    the grammar, the decode worker goes on from it): greedy and seeded draws, streamed and not, all validate."""
+    import jsonschema
+
+    client = _client(stack)
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": WEATHER, "strict": True}}
+    messages = [{"role": "user", "content": "The weather in Paris for three days, as JSON."}]
+    answers = []
+    for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 1}, {"temperature": 0.8, "seed": 2}):
+        chat = await client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=200, response_format=fmt, **sampling
+        )
+        text = chat.choices[0].message.content
+        jsonschema.validate(json.loads(text), WEATHER)
+        assert chat.choices[0].finish_reason == "stop"
+        streamed = await client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=messages,
+            max_tokens=200,
+            response_format=fmt,
+            stream=True,
+            **sampling,
+        )
+        pieces = [c.choices[0].delta.content or "" async for c in streamed if c.choices]
+        assert "".join(pieces) == text  # the same draws streamed
+        answers.append(text)
+    assert len(set(answers)) > 1
+    mode = await client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "Ada is 36. Her name and age as a JSON object."}],
+        max_tokens=300,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(mode.choices[0].message.content), dict), mode.choices[0].message.content
+
+
+async def test_vllm_guided_fields_on_completions(stack):
+    client = _client(stack)
+    choices = ["sunny", "rainy", 'a "cloudy" day']
+    for seed in (1, 2, 3):
+        got = await client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt="Tomorrow will be",
+            max_tokens=20,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"guided_choice": choices},
+        )
+        assert got.choices[0].text in choices and got.choices[0].finish_reason == "stop"
+    got = await client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt="The year the first moon landing happened:",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"guided_regex": "[12][0-9]{3}"},
+    )
+    assert len(got.choices[0].text) == 4 and got.choices[0].text.isdigit()
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+        ("guided_regex", "a(b"),
+        ("guided_grammar", "start: missing_rule"),
+        ("guided_json", "{not json"),
+    ],
+    ids=["bad-schema", "bad-regex", "bad-grammar", "bad-json"],
+)
+async def test_a_constraint_that_does_not_compile_gets_400_naming_it(stack, field, value):
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer sesame"}) as s:
+        async with s.post(stack.http + "/v1/chat/completions", json={**CHAT, field: value}) as resp:
+            got = await resp.json()
+    assert resp.status == 400 and got["error"]["param"] == field, got
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 30},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The local time in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 30}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+async def test_tool_calls_through_the_official_client(stack):
+    """required and a named function: the client parses message.tool_calls, whose arguments validate against the
+    function's parameters, whole and streamed; auto answers either text or calls of offered functions."""
+    import jsonschema
+
+    client = _client(stack)
+    params = {f["function"]["name"]: f["function"]["parameters"] for f in TOOLS}
+    messages = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        chat = await client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=messages,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=120,
+            temperature=0,
+        )
+        got = chat.choices[0]
+        assert got.finish_reason == "tool_calls" and got.message.content is None and got.message.tool_calls
+        for call in got.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+        if choice is named:
+            assert [c.function.name for c in got.message.tool_calls] == ["get_weather"]
+        stream = await client.chat.completions.create(
+            model="SmolLM2-135M-Instruct",
+            messages=messages,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=120,
+            temperature=0,
+            stream=True,
+        )
+        calls: dict[int, dict] = {}
+        finish = None
+        async for chunk in stream:
+            for d in chunk.choices[0].delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls
+        ]
+    # the tool's answer goes back as a tool message; the model then answers in text or calls again
+    history = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in got.message.tool_calls]},
+        {"role": "tool", "tool_call_id": got.message.tool_calls[0].id, "content": "18 degrees, sunny"},
+    ]
+    auto = await client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=history, tools=TOOLS, max_tokens=60, temperature=0
+    )
+    answer = auto.choices[0]
+    if answer.finish_reason == "tool_calls":
+        assert all(c.function.name in params for c in answer.message.tool_calls)
+    else:
+        assert answer.message.content and not answer.message.tool_calls
 
 
 async def test_logit_bias_steers_sampling(stack, tokenizer):
