@@ -18,12 +18,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pdserve.gateway import choices
 from pdserve.gateway.observe import http_span, http_span_answered
 from pdserve.gateway.openai_protocol import parse_body, parse_request
 from pdserve.gateway.openai_render import Renderer, error_body, error_response
 from pdserve.gateway.request import Delta, GenerationRequest, RequestError
 from pdserve.gateway.request_path import RequestPath
 from pdserve.options import HTTPOptions
+from pdserve.protos import common_pb2
 from pdserve.security import key_matches
 
 PARSE_ON_LOOP = 64 << 10  # bodies up to this size are parsed on the event loop; larger ones on a thread
@@ -112,11 +114,11 @@ class OpenAIFront:
         )
         if parsed.stream:
             return StreamingResponse(
-                _sse(self.path, req, renderer, parsed.include_usage, span),
+                _sse(self.path, req, renderer, parsed.include_usage, span, parsed.n),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await _complete(self.path, req, renderer, request)
+        return await _complete(self.path, req, renderer, request, parsed.n, parsed.best_of)
 
 
 def create_app(path: RequestPath, api_key: str | None, tracer: trace.Tracer, limits: HTTPOptions) -> FastAPI:
@@ -153,19 +155,30 @@ def create_app(path: RequestPath, api_key: str | None, tracer: trace.Tracer, lim
     return app
 
 
-async def _complete(path: RequestPath, req: GenerationRequest, renderer: Renderer, request: Request) -> Response:
-    """The whole answer at once; the request is cancelled if the client disconnects first."""
+async def _complete(
+    path: RequestPath, req: GenerationRequest, renderer: Renderer, request: Request, n: int = 1, best_of: int = 1
+) -> Response:
+    """The whole answer at once (`best_of` choices generated, the `n` best returned); the request is cancelled if
+    the client disconnects first."""
 
     async def run() -> JSONResponse:
-        deltas = [delta async for delta in path.run(req, "http")]
-        last = deltas[-1]
-        merged = Delta(
-            "".join(d.text for d in deltas),
-            [t for d in deltas for t in d.token_ids],
-            [lp for d in deltas for lp in d.logprobs],
-        )
-        assert last.finish_reason is not None and last.usage is not None, "the last delta ends the request"
-        return JSONResponse(renderer.whole(merged.text, renderer.logprobs(merged), last.finish_reason, last.usage))
+        deltas: list[list[Delta]] = [[] for _ in range(best_of)]
+        async for i, delta in choices.run(path, choices.children(req, best_of), "http"):
+            deltas[i].append(delta)
+        ranked = sorted(range(best_of), key=lambda i: -choices.mean_logprob(deltas[i]))[:n] if best_of > n else range(n)
+        rendered = []
+        for index, i in enumerate(ranked):
+            merged = Delta(
+                "".join(d.text for d in deltas[i]),
+                [t for d in deltas[i] for t in d.token_ids],
+                [lp for d in deltas[i] for lp in d.logprobs],
+            )
+            last = deltas[i][-1]
+            assert last.finish_reason is not None and last.usage is not None, "the last delta ends the request"
+            one = renderer.for_choice(index)
+            rendered.append(one.choice(merged.text, one.logprobs(merged), last.finish_reason))
+        usage = choices.merged_usage([d[-1].usage for d in deltas if d[-1].usage is not None])
+        return JSONResponse(renderer.response(rendered, usage))
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -190,16 +203,20 @@ async def _complete(path: RequestPath, req: GenerationRequest, renderer: Rendere
 
 
 async def _sse(
-    path: RequestPath, req: GenerationRequest, renderer: Renderer, include_usage: bool, span: trace.Span
+    path: RequestPath, req: GenerationRequest, renderer: Renderer, include_usage: bool, span: trace.Span, n: int = 1
 ) -> AsyncIterator[str]:
+    renderers = [renderer.for_choice(i) for i in range(n)] if n > 1 else [renderer]
+    usages: dict[int, common_pb2.Usage] = {}
     try:
         with trace.use_span(span, end_on_exit=False):
             try:
-                async for delta in path.run(req, "http"):
-                    for choice in renderer.stream_choices(delta):
+                async for i, delta in choices.run(path, choices.children(req, n), "http"):
+                    for choice in renderers[i].stream_choices(delta):
                         yield renderer.chunk([choice], None)
-                    if delta.finish_reason and include_usage and delta.usage is not None:
-                        yield renderer.chunk([], renderer.usage(delta.usage))
+                    if delta.finish_reason and delta.usage is not None:
+                        usages[i] = delta.usage
+                if include_usage and usages:
+                    yield renderer.chunk([], renderer.usage(choices.merged_usage([usages[i] for i in sorted(usages)])))
             except RequestError as e:  # the status line is sent: the error travels as an event, as vLLM does
                 span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
                 _, body = error_body(e)

@@ -27,6 +27,7 @@ from pdserve.protos import common_pb2
 from pdserve.wire import constraint_to_proto
 
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # n and best_of: each choice is a request of its own on the workers
 U32 = 2**32 - 1
 
 # OpenAI parameters this server does not implement: refused by name rather than silently ignored (OpenAI itself
@@ -116,6 +117,7 @@ class _Common(_Strict):
     stop_token_ids: list[Count] | None = None
     logit_bias: dict[str, float] | None = None
     n: int | None = None
+    best_of: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: dict[str, Any] | None = None
@@ -144,7 +146,6 @@ class CompletionBody(_Common):
     prompt: str | list[Count] | list[str | list[Count]]
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     echo: bool | None = None
-    best_of: int | None = None
     suffix: str | None = None
 
 
@@ -157,6 +158,8 @@ class ParsedRequest:
     include_usage: bool
     top_logprobs: int | None  # None: no logprobs
     tools: ToolPlan | None = None
+    n: int = 1  # choices returned
+    best_of: int = 1  # choices generated, the n with the highest mean token logprob returned (>= n)
 
 
 def parse_request(body: dict, chat: bool, renders_tools: bool = False) -> ParsedRequest:
@@ -188,7 +191,23 @@ def parse_request(body: dict, chat: bool, renders_tools: bool = False) -> Parsed
         req.prompt, req.token_ids = _prompt(parsed.prompt)
     stream = bool(parsed.stream)
     include_usage = stream and bool((parsed.stream_options or {}).get("include_usage"))
-    return ParsedRequest(req, stream, include_usage, top, tools)
+    n, best_of = _choices(parsed, stream)
+    if best_of > n and top is None:
+        sampling.logprobs = 0  # ranking needs each token's logprob; not returned unless asked for
+    return ParsedRequest(req, stream, include_usage, top, tools, n, best_of)
+
+
+def _choices(body: ChatBody | CompletionBody, stream: bool) -> tuple[int, int]:
+    """`n` and `best_of`, each in [1, MAX_CHOICES], best_of >= n, and no best_of above n when streaming."""
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise invalid("n", f"n must be in [1, {MAX_CHOICES}], got {n}")
+    best_of = n if body.best_of is None else body.best_of
+    if not n <= best_of <= MAX_CHOICES:
+        raise invalid("best_of", f"best_of must be in [n, {MAX_CHOICES}] (n is {n}), got {best_of}")
+    if stream and best_of > n:
+        raise invalid("best_of", "best_of above n cannot be streamed")
+    return n, best_of
 
 
 def _validate(model: type[ChatBody] | type[CompletionBody], body: dict) -> ChatBody | CompletionBody:
@@ -231,8 +250,6 @@ def _sampling(body: ChatBody | CompletionBody) -> tuple[common_pb2.SamplingParam
             setattr(s, name, value)
     s.ignore_eos = bool(body.ignore_eos)
     s.stop_token_ids.extend(body.stop_token_ids or [])
-    if body.n not in (None, 1):
-        raise invalid("n", "n must be 1: this server returns one choice per request")
     top = _chat_logprobs(body) if isinstance(body, ChatBody) else _completion_checks(body)
     if top is not None:
         s.logprobs = top
@@ -275,8 +292,6 @@ def _chat_logprobs(body: ChatBody) -> int | None:
 
 
 def _completion_checks(body: CompletionBody) -> int | None:
-    if body.best_of not in (None, 1):
-        raise invalid("best_of", "best_of must be 1")
     if body.echo:
         raise invalid("echo", "echo is not supported")
     if body.suffix:

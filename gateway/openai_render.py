@@ -32,9 +32,16 @@ class Renderer:
     """Turns the request path's deltas into OpenAI's JSON, for one request."""
 
     def __init__(
-        self, tokenizer: Tokenizer, chat: bool, model: str, top: int | None, tools: ToolPlan | None = None
+        self,
+        tokenizer: Tokenizer,
+        chat: bool,
+        model: str,
+        top: int | None,
+        tools: ToolPlan | None = None,
+        index: int = 0,
     ) -> None:
         self.tokenizer, self.chat, self.model, self.top, self.tools = tokenizer, chat, model, top, tools
+        self.index = index
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -118,7 +125,7 @@ class Renderer:
         d: dict = {"role": "assistant"} if self._first else {}
         d |= {"content": None, "tool_calls": [c.as_openai(i) for i, c in enumerate(calls)]}
         self._first = False
-        return [{"index": 0, "delta": d, "logprobs": self.logprobs(merged), "finish_reason": "tool_calls"}]
+        return [{"index": self.index, "delta": d, "logprobs": self.logprobs(merged), "finish_reason": "tool_calls"}]
 
     def _emit(self, delta: Delta) -> dict:
         choice = self.stream_choice(delta, self._first)
@@ -135,27 +142,48 @@ class Renderer:
             d = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
             if delta.finish_reason and not delta.text and not first:
                 d = {}
-            return {"index": 0, "delta": d, "logprobs": self.logprobs(delta), "finish_reason": delta.finish_reason}
-        return {"index": 0, "text": delta.text, "logprobs": self.logprobs(delta), "finish_reason": delta.finish_reason}
+            return {
+                "index": self.index,
+                "delta": d,
+                "logprobs": self.logprobs(delta),
+                "finish_reason": delta.finish_reason,
+            }
+        return {
+            "index": self.index,
+            "text": delta.text,
+            "logprobs": self.logprobs(delta),
+            "finish_reason": delta.finish_reason,
+        }
 
     def whole(self, text: str, logprobs: dict | None, finish: str, usage: common_pb2.Usage) -> dict:
+        return self.response([self.choice(text, logprobs, finish)], usage)
+
+    def choice(self, text: str, logprobs: dict | None, finish: str) -> dict:
+        """This renderer's choice of a whole answer (tool calls read out of it where the request offered tools)."""
         if self.chat:
             message: dict = {"role": "assistant", "content": text}
             calls = self._calls(text, finish)
             if calls is not None:
                 message = {"role": "assistant", "content": None, "tool_calls": [c.as_openai() for c in calls]}
                 finish = "tool_calls"
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    def response(self, choices: list[dict], usage: common_pb2.Usage) -> dict:
         return {
             "id": self.id,
             "object": self.object,
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": self.usage(usage),
         }
+
+    def for_choice(self, index: int) -> Renderer:
+        """A renderer for choice `index` of the same response (same id; its own stream state)."""
+        other = Renderer(self.tokenizer, self.chat, self.model, self.top, self.tools, index)
+        other.id, other.created = self.id, self.created
+        return other
 
 
 _CALL_STARTS = ("{", "[", "<tool_call>")

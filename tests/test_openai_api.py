@@ -172,12 +172,12 @@ CHAT = {"messages": [{"role": "user", "content": "What is the weather?"}], "max_
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("n", 3),
+        ("audio", {"voice": "alloy", "format": "wav"}),
         ("functions", [{"name": "weather", "parameters": {"type": "object"}}]),
         ("tool_choice", "required"),  # without tools
         ("frobnicate", 1),
     ],
-    ids=["n", "functions", "tool_choice-without-tools", "unknown"],
+    ids=["audio", "functions", "tool_choice-without-tools", "unknown"],
 )
 async def test_unimplemented_fields_get_400_naming_them(stack, field, value):
     """Nothing is silently dropped: a field this server does not implement, or does not know, is refused."""
@@ -391,6 +391,62 @@ async def test_tool_calls_through_the_official_client(stack):
         assert all(c.function.name in params for c in answer.message.tool_calls)
     else:
         assert answer.message.content and not answer.message.tool_calls
+
+
+def _prefill_computed(stack) -> float:
+    """Prompt tokens the prefill worker computed so far: its prompt tokens less its prefix-cache hits."""
+    page = scrape(stack.metrics["prefill"])
+    hits = page.get(("pdserve_prefill_prefix_cache_hit_tokens_total", frozenset()), 0.0)
+    return page.get(("pdserve_prefill_prompt_tokens_total", frozenset()), 0.0) - hits
+
+
+async def test_n_choices_cost_one_prefill_and_repeat_per_seed(stack):
+    """n=4 on a ~500-token prompt never seen: four distinct choices, the prompt computed once (the other choices
+    compute only its last, partial block), usage counting the prompt once. Seeded choices repeat, streamed or not,
+    and best_of returns the n with the best mean logprob. (The repeats draw among ten digits: over the whole
+    vocabulary at temperature 1 a draw can flip with the last bits of the logits, which move with the batch a
+    choice happens to share.)"""
+    import random
+    import re
+
+    client = _client(stack)
+    rng = random.Random(5)
+    prompt = "Words: " + " ".join(rng.choice(["red", "sky", "tree", "blue", "stone", "river"]) for _ in range(480))
+    kw = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 8, "temperature": 1.0}
+    before = _prefill_computed(stack)
+    got = await client.completions.create(n=4, extra_body={"ignore_eos": True}, **kw)
+    computed = _prefill_computed(stack) - before
+    prompt_tokens = got.usage.prompt_tokens
+    assert prompt_tokens > 450 and prompt_tokens <= computed <= prompt_tokens + 3 * 16, (computed, prompt_tokens)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3] and len({c.text for c in got.choices}) > 1
+    assert got.usage.completion_tokens == 4 * 8
+
+    digits = {**kw, "seed": 11, "extra_body": {"guided_regex": "[0-9]{8}"}, "max_tokens": 20}
+    first = await client.completions.create(n=4, **digits)
+    texts = [c.text for c in first.choices]
+    assert all(re.fullmatch("[0-9]{8}", t) for t in texts) and len(set(texts)) > 1, texts
+    again = await client.completions.create(n=4, **digits)
+    assert [c.text for c in again.choices] == texts
+    stream = await client.completions.create(n=4, stream=True, **digits)
+    streamed = ["", "", "", ""]
+    async for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == texts
+    scored = await client.completions.create(n=4, logprobs=0, **digits)
+    means = {c.text: sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in scored.choices}
+    best = await client.completions.create(n=2, best_of=4, **digits)
+    assert [c.text for c in best.choices] == sorted(texts, key=lambda t: -means[t])[:2]
+    assert best.choices[0].logprobs is None and best.usage.completion_tokens == first.usage.completion_tokens
+    chat = await client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "Name a colour."}],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=3,
+    )
+    assert [c.index for c in chat.choices] == [0, 1, 2] and all(c.message.role == "assistant" for c in chat.choices)
 
 
 async def test_logit_bias_steers_sampling(stack, tokenizer):

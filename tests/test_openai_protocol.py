@@ -19,7 +19,10 @@ M = [{"role": "user", "content": "hi"}]
         (True, {"messages": [{"content": "x"}]}, "messages[0]"),
         (True, {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
         (True, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
-        (True, {"messages": M, "n": 2}, "n"),
+        (True, {"messages": M, "n": 0}, "n"),
+        (True, {"messages": M, "n": 17}, "n"),
+        (True, {"messages": M, "n": 3, "best_of": 2}, "best_of"),
+        (False, {"prompt": "hi", "n": 1, "best_of": 3, "stream": True}, "best_of"),
         (True, {"messages": M, "temperature": "hot"}, "temperature"),
         (True, {"messages": M, "temperature": True}, "temperature"),
         (True, {"messages": M, "max_tokens": 0}, "max_tokens"),
@@ -51,7 +54,6 @@ M = [{"role": "user", "content": "hi"}]
         (False, {"prompt": "hi", "logprobs": 9}, "logprobs"),
         (False, {"prompt": "hi", "stop": [1, 2]}, "stop"),
         (False, {"prompt": "hi", "echo": True}, "echo"),
-        (False, {"prompt": "hi", "best_of": 2}, "best_of"),
         (False, {"prompt": "hi", "max_tokens": 2**33}, "max_tokens"),
     ],
 )
@@ -83,3 +85,22 @@ def test_a_good_body_reads_into_the_gateway_s_request() -> None:
     assert s.max_tokens == 5 and s.temperature == 1.0 and s.seed == 2**64 - 1 and dict(s.logit_bias) == {5: -100.0}
     completion = parse_request({"prompt": [[1, 2, 3]], "max_tokens": None}, chat=False)
     assert completion.request.token_ids == [1, 2, 3] and completion.request.sampling.max_tokens == 16
+
+
+def test_each_choice_is_a_request_of_its_own() -> None:
+    from pdserve.gateway.choices import children, merged_usage
+    from pdserve.protos import common_pb2
+
+    parsed = parse_request({"prompt": "hi", "n": 3, "seed": 2**64 - 2, "temperature": 1.0}, chat=False)
+    assert parsed.n == 3 and parsed.best_of == 3
+    kids = children(parsed.request, 3)
+    assert [k.request_id for k in kids] == [f"{parsed.request.request_id}-{i}" for i in range(3)]
+    assert [k.sampling.seed for k in kids] == [2**64 - 2, 2**64 - 1, 0]  # seed + i, wrapping at 64 bits
+    assert all(k.sampling.temperature == 1.0 and k.prompt == "hi" for k in kids)
+    assert parsed.request.sampling.seed == 2**64 - 2  # the parent is untouched
+    unseeded = children(parse_request({"prompt": "hi", "n": 2}, chat=False).request, 2)
+    assert not any(k.sampling.HasField("seed") for k in unseeded)
+    best = parse_request({"prompt": "hi", "n": 1, "best_of": 3}, chat=False)
+    assert best.best_of == 3 and best.request.sampling.logprobs == 0 and best.top_logprobs is None
+    usage = merged_usage([common_pb2.Usage(prompt_tokens=9, completion_tokens=4, cached_prompt_tokens=0)] * 3)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (9, 12, 0)
