@@ -100,7 +100,7 @@ async def test_sse_framing_and_logprobs_raw(stack):
     "path,body,status,param",
     [
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
