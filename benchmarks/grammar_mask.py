@@ -19,6 +19,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
 
@@ -67,19 +68,13 @@ def mask_costs(model_dir: Path, vocab: int, eos: list[int]) -> list[str]:
     start = time.perf_counter()
     grammars.state(constraint)
     compile_ms = (time.perf_counter() - start) * 1e3
-    fills: list[float] = []
-    for _ in range(5):
+    row = np.empty(grammars.words, dtype=np.int32)
+
+    def llguidance_matcher() -> tuple[Callable[[], object], Callable[[int], bool]]:
         state = grammars.state(constraint)
-        row = np.empty(grammars.words, dtype=np.int32)
-        for token in ids:
-            t = time.perf_counter()
-            state.fill(row)
-            fills.append(time.perf_counter() - t)
-            assert state.accept(token)
-    lines.append(
-        f"llguidance {version('llguidance')}: compile {compile_ms:.1f} ms;"
-        f" mask p50 {statistics.median(fills) * 1e6:.1f} us, mean {statistics.mean(fills) * 1e6:.1f} us"
-    )
+        return lambda: state.fill(row), state.accept
+
+    lines.append(f"llguidance {version('llguidance')}: compile {compile_ms:.1f} ms; {_fills(llguidance_matcher, ids)}")
     logits = torch.randn(8, vocab)
     bits = np.repeat(row[None, :], 8, axis=0)
     applies = []
@@ -100,21 +95,29 @@ def mask_costs(model_dir: Path, vocab: int, eos: list[int]) -> list[str]:
     start = time.perf_counter()
     compiled = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
     compile_ms = (time.perf_counter() - start) * 1e3
-    fills = []
     bitmask = xgr.allocate_token_bitmask(1, vocab)
-    xids = hf.encode(json.dumps(ANSWER), add_special_tokens=False)
-    for _ in range(5):
+
+    def xgrammar_matcher() -> tuple[Callable[[], object], Callable[[int], bool]]:
         matcher = xgr.GrammarMatcher(compiled)
-        for token in xids:
-            t = time.perf_counter()
-            matcher.fill_next_token_bitmask(bitmask)
-            fills.append(time.perf_counter() - t)
-            assert matcher.accept_token(token)
-    lines.append(
-        f"xgrammar {version('xgrammar')}: compile {compile_ms:.1f} ms;"
-        f" mask p50 {statistics.median(fills) * 1e6:.1f} us, mean {statistics.mean(fills) * 1e6:.1f} us"
-    )
+        return lambda: matcher.fill_next_token_bitmask(bitmask), matcher.accept_token
+
+    xids = hf.encode(json.dumps(ANSWER), add_special_tokens=False)
+    lines.append(f"xgrammar {version('xgrammar')}: compile {compile_ms:.1f} ms; {_fills(xgrammar_matcher, xids)}")
     return lines
+
+
+def _fills(matcher: Callable[[], tuple[Callable[[], object], Callable[[int], bool]]], ids: list[int]) -> str:
+    """The time to fill each step's mask while walking `ids` through 5 fresh matchers; `matcher()` gives one's
+    (fill, accept)."""
+    fills: list[float] = []
+    for _ in range(5):
+        fill, accept = matcher()
+        for token in ids:
+            t = time.perf_counter()
+            fill()
+            fills.append(time.perf_counter() - t)
+            assert accept(token)
+    return f"mask p50 {statistics.median(fills) * 1e6:.1f} us, mean {statistics.mean(fills) * 1e6:.1f} us"
 
 
 async def _one(client, constraint, itl: list[float], ttft: list[float], temperature: float = 0.0) -> None:

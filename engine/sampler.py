@@ -91,19 +91,22 @@ class Sampler:
         constraint: tokens it does not allow next are excluded before any choice."""
         logits = logits[:, : self.vocab_size]
         n = len(params)
-        constrained = [i for i, g in enumerate(grammars) if g is not None]
+        constrained = {i: g for i, g in enumerate(grammars) if g is not None}
         if all(
             _is_greedy(p) and not p.has_penalties and p.logprobs is None and p.min_tokens == 0 and not p.logit_bias
             for p in params
         ):
             picked, bad = self._greedy(logits)
-            for i in constrained:  # most steps the grammar takes the favourite: one check, no mask
-                grammar = grammars[i]
-                assert grammar is not None
-                if i not in bad and not grammar.allows(picked[i]):
-                    masked = logits[i].float().masked_fill(~self._allowed(grammar, logits.shape[-1])[0], float("-inf"))
-                    picked[i] = int(masked.argmax())
-                    if not bool(torch.isfinite(masked[picked[i]])):
+            # most steps each grammar takes its row's favourite: one check, no mask
+            refused = [i for i, g in constrained.items() if i not in bad and not g.allows(picked[i])]
+            if refused:
+                allowed = self._allowed([constrained[i] for i in refused], logits.shape[-1])
+                masked = logits[refused].float().masked_fill(~allowed, float("-inf"))
+                best = masked.argmax(-1)
+                finite = torch.isfinite(masked.gather(1, best[:, None]))[:, 0].tolist()
+                for i, token, ok in zip(refused, best.tolist(), finite):
+                    picked[i] = token
+                    if not ok:
                         bad = bad | {i}
             return [
                 SamplingError("the model's logits are not finite, or every token was excluded")
@@ -129,7 +132,7 @@ class Sampler:
                     x[i, banned] = float("-inf")
         if constrained:
             x = x.clone() if x is raw else x
-            allowed = self._allowed([grammars[i] for i in constrained], x.shape[-1]).to(x.device)
+            allowed = self._allowed(list(constrained.values()), x.shape[-1]).to(x.device)
             for k, i in enumerate(constrained):
                 x[i].masked_fill_(~allowed[k], float("-inf"))
         bad = self._nonfinite_rows(x)
@@ -172,12 +175,10 @@ class Sampler:
         return exact.argmax(-1).tolist(), self._nonfinite_rows(exact)
 
     @staticmethod
-    def _allowed(grammars: GrammarState | Sequence[GrammarState | None], vocab: int) -> torch.Tensor:
+    def _allowed(grammars: Sequence[GrammarState], vocab: int) -> torch.Tensor:
         """Bool `[R, vocab]`: the tokens each grammar allows next."""
-        states = [grammars] if isinstance(grammars, GrammarState) else list(grammars)
-        bits = np.empty((len(states), (vocab + 31) // 32), dtype=np.int32)
-        for row, grammar in enumerate(states):
-            assert grammar is not None
+        bits = np.empty((len(grammars), (vocab + 31) // 32), dtype=np.int32)
+        for row, grammar in enumerate(grammars):
             grammar.fill(bits[row])
         return torch.from_numpy(unpack_masks(bits, vocab))
 

@@ -52,12 +52,11 @@ async def run(path: RequestPath, reqs: list[GenerationRequest], front: str) -> A
             async for delta in path.run(reqs[i], front):
                 first_token.set()
                 queue.put_nowait((i, delta))
+            queue.put_nowait((i, None))
         except BaseException as e:  # noqa: BLE001 - handed to the reader, which raises it
-            first_token.set()
             queue.put_nowait((i, e))
-            return
-        first_token.set()  # a first choice with no delta at all still lets the others run
-        queue.put_nowait((i, None))
+        finally:
+            first_token.set()  # however the first choice ended, the others do not wait on it
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(len(reqs))]
     try:

@@ -168,15 +168,10 @@ async def _complete(
         ranked = sorted(range(best_of), key=lambda i: -choices.mean_logprob(deltas[i]))[:n] if best_of > n else range(n)
         rendered = []
         for index, i in enumerate(ranked):
-            merged = Delta(
-                "".join(d.text for d in deltas[i]),
-                [t for d in deltas[i] for t in d.token_ids],
-                [lp for d in deltas[i] for lp in d.logprobs],
-            )
-            last = deltas[i][-1]
-            assert last.finish_reason is not None and last.usage is not None, "the last delta ends the request"
+            merged = Delta.joined(deltas[i])
+            assert merged.finish_reason is not None, "the last delta ends the request"
             one = renderer.for_choice(index)
-            rendered.append(one.choice(merged.text, one.logprobs(merged), last.finish_reason))
+            rendered.append(one.choice(merged.text, one.logprobs(merged), merged.finish_reason))
         usage = choices.merged_usage([d[-1].usage for d in deltas if d[-1].usage is not None])
         return JSONResponse(renderer.response(rendered, usage))
 
@@ -205,7 +200,7 @@ async def _complete(
 async def _sse(
     path: RequestPath, req: GenerationRequest, renderer: Renderer, include_usage: bool, span: trace.Span, n: int = 1
 ) -> AsyncIterator[str]:
-    renderers = [renderer.for_choice(i) for i in range(n)] if n > 1 else [renderer]
+    renderers = [renderer.for_choice(i) for i in range(n)]
     usages: dict[int, common_pb2.Usage] = {}
     try:
         with trace.use_span(span, end_on_exit=False):

@@ -108,36 +108,32 @@ class Renderer:
 
     def stream_choices(self, delta: Delta) -> list[dict]:
         """The choices to stream for one delta: none while a possible tool call is held back."""
-        if self._held is None:
-            return [self._emit(delta)]
+        if self._held is None or self.tools is None:
+            return [self.stream_choice(delta)]
         self._held.append(delta)
-        text = "".join(d.text for d in self._held)
         if not delta.finish_reason:
-            if self.tools is not None and (self.tools.constrained or _may_be_call(text)):
+            if self.tools.constrained or _may_be_call("".join(d.text for d in self._held)):
                 return []
             held, self._held = self._held, None
-            return [self._emit(_merged(held))]
+            return [self.stream_choice(Delta.joined(held))]
         held, self._held = self._held, None
-        merged = _merged(held)
-        calls = self._calls(text, delta.finish_reason)
+        merged = Delta.joined(held)
+        calls = self._calls(merged.text, delta.finish_reason)
         if calls is None:
-            return [self._emit(merged)]
+            return [self.stream_choice(merged)]
         d: dict = {"role": "assistant"} if self._first else {}
         d |= {"content": None, "tool_calls": [c.as_openai(i) for i, c in enumerate(calls)]}
         self._first = False
         return [{"index": self.index, "delta": d, "logprobs": self.logprobs(merged), "finish_reason": "tool_calls"}]
-
-    def _emit(self, delta: Delta) -> dict:
-        choice = self.stream_choice(delta, self._first)
-        self._first = False
-        return choice
 
     def _calls(self, text: str, finish: str) -> list[ToolCall] | None:
         if self.tools is None or finish != "stop":
             return None
         return self.tools.calls(text)
 
-    def stream_choice(self, delta: Delta, first: bool) -> dict:
+    def stream_choice(self, delta: Delta) -> dict:
+        """One delta as a streamed choice (the first one carries the role)."""
+        first, self._first = self._first, False
         if self.chat:
             d = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
             if delta.finish_reason and not delta.text and not first:
@@ -154,9 +150,6 @@ class Renderer:
             "logprobs": self.logprobs(delta),
             "finish_reason": delta.finish_reason,
         }
-
-    def whole(self, text: str, logprobs: dict | None, finish: str, usage: common_pb2.Usage) -> dict:
-        return self.response([self.choice(text, logprobs, finish)], usage)
 
     def choice(self, text: str, logprobs: dict | None, finish: str) -> dict:
         """This renderer's choice of a whole answer (tool calls read out of it where the request offered tools)."""
@@ -194,14 +187,3 @@ def _may_be_call(text: str) -> bool:
     a prefix of a call's opening."""
     head = text.lstrip()
     return not head or any(head.startswith(s) or s.startswith(head) for s in _CALL_STARTS)
-
-
-def _merged(deltas: list[Delta]) -> Delta:
-    last = deltas[-1]
-    return Delta(
-        "".join(d.text for d in deltas),
-        [t for d in deltas for t in d.token_ids],
-        [lp for d in deltas for lp in d.logprobs],
-        last.finish_reason,
-        last.usage,
-    )

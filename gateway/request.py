@@ -66,6 +66,18 @@ class Delta:
     finish_reason: str | None = None
     usage: common_pb2.Usage | None = None
 
+    @staticmethod
+    def joined(deltas: list[Delta]) -> Delta:
+        """Consecutive deltas of one stream as one: their text, tokens and logprobs; the last one's ending."""
+        last = deltas[-1]
+        return Delta(
+            "".join(d.text for d in deltas),
+            [t for d in deltas for t in d.token_ids],
+            [lp for d in deltas for lp in d.logprobs],
+            last.finish_reason,
+            last.usage,
+        )
+
 
 def check(req: GenerationRequest, model_name: str, max_prompt_bytes: int) -> None:
     """What can be checked without tokenizing."""

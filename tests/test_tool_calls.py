@@ -170,7 +170,7 @@ def test_streamed_calls_come_as_tool_call_deltas_and_text_streams_at_once() -> N
     whole = Renderer(
         _Tokens(), True, "m", None, plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None)
     )
-    body = whole.whole('{"city": "Oslo"}', None, "stop", common_pb2.Usage())
+    body = whole.response([whole.choice('{"city": "Oslo"}', None, "stop")], common_pb2.Usage())
     message = body["choices"][0]["message"]
     assert body["choices"][0]["finish_reason"] == "tool_calls" and message["content"] is None
     assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
