@@ -77,9 +77,6 @@ enum { F32 = 0, BF16 = 1, Q8_0 = 2, Q4_0 = 3, Q4_1 = 4, BF16_ROWS = 5 };
 #ifndef DP_WIDE_ROWS_Q4
 #define DP_WIDE_ROWS_Q4 32
 #endif
-#ifndef DP2_ROWS
-#define DP2_ROWS 5 /* from this many rows on, tile_rows_dp2 */
-#endif
 /* bf16 rows stream their weights 16 KiB ahead into L2 (prefetcht1): at 4 KiB into L1, a core with 4-8 rows of
  * dot products to do per line kept too few lines in flight, and the step took compute time plus memory time
  * (bf16 layers at 8 rows 14.8 -> 11.0 ms, at 1 row 12.4 -> 10.0 ms in one run; the 4-bit paths, bound by
@@ -779,8 +776,10 @@ static void store_rows(const float *acc, int rows, int cols, const float *bias, 
  * hardware and runs prompt shapes on the same tensor. Each output is a dot product along K; tiles of R rows by 4
  * columns share every load. With AVX512-BF16 and bf16 activations, pairs of products go through vdpbf16ps (each
  * bf16 x bf16 product is exact in fp32, so only the order of the fp32 sums differs); elsewhere the weight is
- * widened to fp32 and multiplied by fp32 FMAs. With vdpbf16ps, from DP2_ROWS rows on, tiles are up to 8 rows by
- * 2 columns instead (tile_rows_dp2). A thread's tiles are one contiguous run of rows, prefetched ROWS_PREFETCH bytes ahead into L2. */
+ * widened to fp32 and multiplied by fp32 FMAs. With vdpbf16ps, tiles are up to 8 rows by 2 columns (tile_rows_dp2).
+ * Either way a row's sums run in one order whatever the number of rows, so a row's output does not depend on the rows
+ * beside it (speculative decoding checks guesses in the rows of one step and must pick what a one-row step picks:
+ * a column-at-a-time tile for 1-4 rows, summed in another order, measured no faster on Zen 4). A thread's tiles are one contiguous run of rows, prefetched ROWS_PREFETCH bytes ahead into L2. */
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
@@ -824,36 +823,6 @@ static inline __attribute__((always_inline)) void tile_rows_f32(const float *x, 
         }
 }
 
-#if defined(__AVX512BF16__)
-/* Column by column (each a sequential run of K values), two accumulators per row so that consecutive vdpbf16ps
- * do not wait on each other. */
-static inline __attribute__((always_inline)) void tile_rows_dp(const uint16_t *x, int64_t ldx, const int R, int64_t K,
-                                                               const uint16_t *const *wc, float out[4][4]) {
-    for (int c = 0; c < 4; c++) {
-        __m512 a0[4], a1[4];
-        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
-        const uint16_t *wr = wc[c];
-        int64_t k = 0;
-        for (; k + 64 <= K; k += 64) {
-            __builtin_prefetch((const char *)(wr + k) + ROWS_PREFETCH, 0, PF_LOC);
-            __builtin_prefetch((const char *)(wr + k) + ROWS_PREFETCH + 64, 0, PF_LOC);
-            __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k), w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
-            for (int r = 0; r < R; r++) {
-                a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)_mm512_loadu_si512(x + r * ldx + k), w0);
-                a1[r] = _mm512_dpbf16_ps(a1[r], (__m512bh)_mm512_loadu_si512(x + r * ldx + k + 32), w1);
-            }
-        }
-        for (; k < K; k += 32) {
-            const __mmask32 live = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1);
-            __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(live, wr + k);
-            for (int r = 0; r < R; r++)
-                a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)_mm512_maskz_loadu_epi16(live, x + r * ldx + k), w0);
-        }
-        for (int r = 0; r < R; r++) out[r][c] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
-    }
-}
-#endif
-
 /* A bf16_rows tile's sums (row stride ld) plus bias into y, rounded once: R rows by cols columns at (row0, col0). */
 static inline void store_tile(const float *out, int ld, int R, int cols, const float *bias, void *yout, int64_t ldy,
                               int y_bf16, int64_t row0, int64_t col0) {
@@ -887,7 +856,7 @@ static inline __attribute__((always_inline)) __m512 sum16(const __m512 *v) {
 
 /* Up to 8 rows against two columns, one accumulator per row and column: each 32 values of x are loaded once for
  * both columns and each 32 of a column once for all the rows, so at 8 rows the loads are 10 per 16 vdpbf16ps, where
- * tile_rows_dp's column-at-a-time order needs 10 per 8 (and then it is the loads, not the dot products, that
+ * a column-at-a-time order needs 10 per 8 (and then it is the loads, not the dot products, that
  * bound a batch step). */
 static inline __attribute__((always_inline)) void tile_rows_dp2(const uint16_t *x, int64_t ldx, const int R, int64_t K,
                                                                 const uint16_t *w0, const uint16_t *w1,
@@ -1046,7 +1015,7 @@ static int linear_bf16_rows(const void *xin, int64_t ldx, int x_bf16, int64_t M,
         const uint16_t *wc[4];
         for (int c = 0; c < 4; c++) wc[c] = w + (n0 + (c < cols ? c : 0)) * K; /* a short tile re-reads column 0 */
 #if defined(__AVX512BF16__)
-        if (dp && M >= DP2_ROWS) {
+        if (dp) {
             for (int64_t r0 = 0; r0 < M; r0 += 8) {
                 const int R = M - r0 < 8 ? (int)(M - r0) : 8;
                 const uint16_t *xr = (const uint16_t *)xin + r0 * ldx;
@@ -1071,25 +1040,12 @@ static int linear_bf16_rows(const void *xin, int64_t ldx, int x_bf16, int64_t M,
         for (int64_t r0 = 0; r0 < M; r0 += 4) {
             const int R = M - r0 < 4 ? (int)(M - r0) : 4;
             float out[4][4];
-#if defined(__AVX512BF16__)
-            if (dp) {
-                const uint16_t *xr = (const uint16_t *)xin + r0 * ldx;
-                switch (R) {
-                case 1: tile_rows_dp(xr, ldx, 1, K, wc, out); break;
-                case 2: tile_rows_dp(xr, ldx, 2, K, wc, out); break;
-                case 3: tile_rows_dp(xr, ldx, 3, K, wc, out); break;
-                default: tile_rows_dp(xr, ldx, 4, K, wc, out);
-                }
-            } else
-#endif
-            {
-                const float *xr = x + r0 * ldx;
-                switch (R) {
-                case 1: tile_rows_f32(xr, ldx, 1, K, wc, out); break;
-                case 2: tile_rows_f32(xr, ldx, 2, K, wc, out); break;
-                case 3: tile_rows_f32(xr, ldx, 3, K, wc, out); break;
-                default: tile_rows_f32(xr, ldx, 4, K, wc, out);
-                }
+            const float *xr = x + r0 * ldx;
+            switch (R) {
+            case 1: tile_rows_f32(xr, ldx, 1, K, wc, out); break;
+            case 2: tile_rows_f32(xr, ldx, 2, K, wc, out); break;
+            case 3: tile_rows_f32(xr, ldx, 3, K, wc, out); break;
+            default: tile_rows_f32(xr, ldx, 4, K, wc, out);
             }
             store_tile(&out[0][0], 4, R, cols, bias, yout, ldy, y_bf16, r0, n0);
         }
