@@ -123,4 +123,5 @@ class EngineConfig:
     quantization: str = "none"  # CPU weight format: none, q8_0, q4_0, gguf (engine.weight_format)
     activations: str = "q8"  # with quantized weights: q8 (integer products, int8 activations) or exact
     fused_decode_layers: bool = True  # bf16 on CPU, packed weights: a decode step's layers one C call each
+    speculative_tokens: int = 0  # decode: tokens guessed by prompt lookup and checked per step (0: off)
     fused_elementwise: bool = True  # CPU: C bf16 RMSNorm, rope, SiLU-and-mul, and greedy argmax (False: torch)

@@ -26,12 +26,13 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import SamplingError
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.model import LlamaForCausalLM
-from pdserve.engine.model_runner import LayerHook, ModelRunner
+from pdserve.engine.model_runner import LayerHook, ModelRunner, Samples
 from pdserve.engine.model_store import resolve_model
 from pdserve.engine.request_check import check_request
 from pdserve.engine.sampling_params import SampleOutput, SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.speculation import Speculation
 from pdserve.kernels.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepOutput:
-    """One new token of one sequence, or (`error` set, `sample` None) why the sequence failed this step."""
+    """One new token of one sequence, or (`error` set, `sample` None) why the sequence failed this step. A step
+    that kept guessed tokens gives a sequence several, in order: all but the last have `more` set."""
 
     seq: Sequence
     sample: SampleOutput | None
     error: SamplingError | None = None
+    more: bool = False
 
     @property
     def request_id(self) -> str:
@@ -56,11 +59,11 @@ class StepOutput:
 
     @property
     def finish_reason(self) -> str | None:
-        return self.seq.finish_reason
+        return None if self.more else self.seq.finish_reason
 
     @property
     def finished(self) -> bool:
-        return self.seq.is_finished
+        return self.seq.is_finished and not self.more
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ class EngineStats:
     prefix_hit_tokens: int
     max_model_len: int
     preemptions_total: int
+    speculative_proposed_total: int = 0  # tokens guessed by prompt lookup and checked
+    speculative_accepted_total: int = 0  # of those, kept
 
 
 class EngineCore:
@@ -109,6 +114,9 @@ class EngineCore:
         self.in_step: set[Sequence] = set()  # sequences in the forward in flight: their blocks are in use
         self._abort_after_step: set[Sequence] = set()
         self.num_preemptions = 0
+        self.speculative_tokens = cfg.speculative_tokens
+        self.num_proposed = 0
+        self.num_accepted = 0
 
     # ---- requests ------------------------------------------------------------------------------------------
 
@@ -213,22 +221,49 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
+        self._propose()
         batch = self.scheduler.schedule()
         self.num_preemptions += len(batch.preempted)
         self.in_step = set(batch.seqs)
         return batch
 
-    def execute(
-        self, batch: ScheduledBatch, layer_hook: LayerHook | None = None
-    ) -> list[SampleOutput | SamplingError | None]:
+    def _propose(self) -> None:
+        """Guess the next tokens of every sequence that speculates and is about to sample (`engine.speculation`)."""
+        for seq in self.scheduler.running:
+            spec = seq.speculation
+            if spec is None:
+                k = seq.params.speculative_tokens
+                k = self.speculative_tokens if k is None else k
+                if k <= 0 or seq.prefill_only:
+                    continue
+                spec = seq.speculation = Speculation(k)
+            if len(seq.token_ids) - seq.num_computed_tokens != 1:
+                continue
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
+            draft = spec.propose(seq.token_ids, room)
+            if draft and seq.grammar is not None:
+                del draft[seq.grammar.valid_prefix(draft) :]
+
+    def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> list[Samples]:
         """The forward and the sampling (the part that may run on another thread)."""
         return self.runner.execute(batch, layer_hook)
 
-    def update(self, batch: ScheduledBatch, samples: list[SampleOutput | SamplingError | None]) -> list[StepOutput]:
-        """Account for a finished forward: computed tokens, new tokens, finished sequences."""
+    def update(self, batch: ScheduledBatch, samples: list[Samples]) -> list[StepOutput]:
+        """Account for a finished forward: computed tokens, new tokens (several for a sequence whose guesses were
+        kept), finished sequences."""
         self.in_step = set()
+        for i, (seq, sample) in enumerate(zip(batch.seqs, samples)):
+            spec = seq.speculation
+            if spec is None or not spec.draft:
+                continue
+            if isinstance(sample, list):  # its last token and the guesses kept have their KV now
+                batch.num_new_tokens[i] = len(sample)
+                self.num_proposed += len(spec.draft)
+                self.num_accepted += len(sample) - 1
+                spec.settle(len(sample) - 1)
+            else:
+                spec.draft = []
         self.scheduler.commit(batch)
-        eos = self.model_config.eos_token_ids
         outputs = []
         for seq, sample in zip(batch.seqs, samples):
             if seq in self._abort_after_step:
@@ -237,17 +272,29 @@ class EngineCore:
                 continue
             if sample is None or seq.is_finished:
                 continue
+            outputs.extend(self._take(seq, sample))
+        return outputs
+
+    def _take(self, seq: Sequence, samples: list[SampleOutput] | SamplingError) -> list[StepOutput]:
+        """Append a sequence's new tokens in order until one ends it; a token its grammar refuses fails it alone."""
+        eos = self.model_config.eos_token_ids
+        outputs = []
+        for sample in [samples] if isinstance(samples, SamplingError) else samples:
             if seq.grammar is not None and not isinstance(sample, SamplingError):
                 if not seq.grammar.accept(sample.token_id):
                     sample = SamplingError(f"token {sample.token_id} breaks the constraint: {seq.grammar.error}")
-            if isinstance(sample, SamplingError):  # this sequence alone fails
+            if isinstance(sample, SamplingError):
                 self.scheduler.finish(seq, "abort")
                 outputs.append(StepOutput(seq, None, sample))
-                continue
+                break
             seq.append(sample.token_id, eos, self.max_model_len)
             if seq.finish_reason is not None or seq.prefill_only:
                 self.scheduler.finish(seq, seq.finish_reason or "prefilled", free=not seq.prefill_only)
-            outputs.append(StepOutput(seq, sample))
+            outputs.append(StepOutput(seq, sample, more=True))
+            if seq.is_finished:
+                break
+        if outputs:
+            outputs[-1].more = False
         return outputs
 
     def fail(self, batch: ScheduledBatch) -> list[Sequence]:
@@ -307,6 +354,8 @@ class EngineCore:
             prefix_hit_tokens=alloc.prefix_hit_tokens,
             max_model_len=self.max_model_len,
             preemptions_total=self.num_preemptions,
+            speculative_proposed_total=self.num_proposed,
+            speculative_accepted_total=self.num_accepted,
         )
 
     def pending_chunks(self) -> list[tuple[int, int]]:

@@ -20,9 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from pdserve.engine.engine_core import EngineCore, StepOutput
-from pdserve.engine.errors import EngineStopped, SamplingError
-from pdserve.engine.model_runner import LayerHook
-from pdserve.engine.sampling_params import SampleOutput
+from pdserve.engine.errors import EngineStopped
+from pdserve.engine.model_runner import LayerHook, Samples
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 
@@ -215,9 +214,7 @@ class EngineLoop:
         future = asyncio.get_running_loop().run_in_executor(self._executor, self._execute, batch, hook, threads)
         return batch, time.perf_counter(), future
 
-    def _execute(
-        self, batch: ScheduledBatch, hook: LayerHook | None, threads: int | None
-    ) -> list[SampleOutput | SamplingError | None]:
+    def _execute(self, batch: ScheduledBatch, hook: LayerHook | None, threads: int | None) -> list[Samples]:
         """On the model thread: the forward and sampling, with `threads` torch threads if given."""
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)

@@ -118,6 +118,17 @@ class GrammarState:
         """Whether the grammar takes `token_id` next (about a microsecond: no mask is computed)."""
         return bool(self._matcher.validate_tokens([token_id]) == 1)
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, taken in order from here, the grammar allows (the state does not move)."""
+        return int(self._matcher.validate_tokens(list(tokens)))
+
+    def fork(self, tokens: Sequence[int]) -> GrammarState:
+        """A copy of this state that has taken `tokens` (which the grammar allows: see `valid_prefix`)."""
+        copy = GrammarState(self._matcher.deep_copy(), self._words)
+        for token in tokens:
+            copy.accept(token)
+        return copy
+
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token; False (and the state is spent) if the grammar does not allow it."""
         return bool(self._matcher.consume_token(token_id))

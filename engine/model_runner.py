@@ -15,6 +15,7 @@ from pdserve.engine import weight_format
 from pdserve.engine.attention import AttentionMetadata, select_backend
 from pdserve.engine.config import EngineConfig, ModelConfig, parse_dtype
 from pdserve.engine.errors import SamplingError
+from pdserve.engine.grammar import GrammarState
 from pdserve.engine.host_memory import keep_freed_memory, weights_into_huge_pages, zeros_in_huge_pages
 from pdserve.engine.kv_cache import plan_kv_cache
 from pdserve.engine.model import LlamaForCausalLM, load_model
@@ -28,6 +29,9 @@ from pdserve.kernels.kv_layout import KVLayout
 log = logging.getLogger(__name__)
 
 LayerHook = Callable[[int], None]
+Samples = list[SampleOutput] | SamplingError | None
+"""What a step gives one sequence of its batch: its new tokens in order (one, or more where guesses were kept),
+the SamplingError that fails it alone, or None when it does not sample this step."""
 
 
 @dataclass
@@ -36,7 +40,7 @@ class BatchInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
-    sample_rows: list[int]  # which batch entries those rows belong to
+    sample_rows: list[int]  # which batch entry each of those rows belongs to (several for a speculating one)
 
 
 class ModelRunner:
@@ -138,31 +142,45 @@ class ModelRunner:
         return f"the layer stack in one C call ({cpu_decoder_layer.SOURCE.name}) for up to {max_rows} rows"
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
+        """A speculating sequence's last token and its guesses go in as one-token queries of their own over its
+        blocks (each sees the cache up to its position), so a step stays a decode step for the attention kernels
+        and the C layer stack, and every guess gets its logits."""
         bs = self.layout.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
+        tables_of: list[list[int]] = []
         logits_indices: list[int] = []
         sample_rows: list[int] = []
-        max_blocks = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             begin = seq.num_computed_tokens
-            ids.extend(seq.token_ids[begin : begin + n])
-            pos = range(begin, begin + n)
-            positions.extend(pos)
             table = seq.block_ids
+            draft = seq.draft
+            if draft:
+                ids.extend(seq.token_ids[begin:] + draft)
+                pos = range(begin, begin + n)
+                for p in pos:
+                    starts.append(starts[-1] + 1)
+                    seq_lens.append(p + 1)
+                    tables_of.append(table)
+                    logits_indices.append(starts[-1] - 1)
+                    sample_rows.append(i)
+            else:
+                ids.extend(seq.token_ids[begin : begin + n])
+                pos = range(begin, begin + n)
+                starts.append(starts[-1] + n)
+                seq_lens.append(begin + n)
+                tables_of.append(table)
+                if batch.samples(i):
+                    logits_indices.append(starts[-1] - 1)
+                    sample_rows.append(i)
+            positions.extend(pos)
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            starts.append(starts[-1] + n)
-            seq_lens.append(begin + n)
-            max_blocks = max(max_blocks, len(table))
-            if batch.samples(i):
-                logits_indices.append(starts[-1] - 1)
-                sample_rows.append(i)
-        tables = torch.zeros(len(batch.seqs), max(max_blocks, 1), dtype=torch.long)
-        for i, seq in enumerate(batch.seqs):
-            tables[i, : len(seq.block_ids)] = torch.tensor(seq.block_ids, dtype=torch.long)
+        tables = torch.zeros(len(tables_of), max(max((len(t) for t in tables_of), default=1), 1), dtype=torch.long)
+        for i, table in enumerate(tables_of):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -184,23 +202,36 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.backend, layer_hook)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
-    def execute(
-        self, batch: ScheduledBatch, layer_hook: LayerHook | None = None
-    ) -> list[SampleOutput | SamplingError | None]:
-        """Run the batch; per sequence, its SampleOutput if it samples this step (or the SamplingError that
-        fails it alone), None for the others."""
+    def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> list[Samples]:
+        """Run the batch; per sequence, what it samples (`Samples`)."""
         inputs = self.prepare(batch)
         logits = self.forward(inputs, layer_hook)
-        out: list[SampleOutput | SamplingError | None] = [None] * len(batch.seqs)
-        if inputs.sample_rows:
-            seqs = [batch.seqs[i] for i in inputs.sample_rows]
-            samples = self.sampler.sample(
-                logits,
-                [s.params for s in seqs],
-                [s.token_ids for s in seqs],
-                [s.num_prompt_tokens for s in seqs],
-                [s.grammar for s in seqs],
-            )
-            for row, sample in zip(inputs.sample_rows, samples):
-                out[row] = sample
+        out: list[Samples] = [None] * len(batch.seqs)
+        if not inputs.sample_rows:
+            return out
+        # row j of a speculating sequence samples as if its first j guesses were already its tokens
+        tokens: list[list[int]] = []
+        grammars: list[GrammarState | None] = []
+        offset = 0
+        for k, i in enumerate(inputs.sample_rows):
+            seq = batch.seqs[i]
+            offset = offset + 1 if k and inputs.sample_rows[k - 1] == i else 0
+            guessed = seq.draft[:offset]
+            tokens.append(seq.token_ids + guessed if guessed else seq.token_ids)
+            grammars.append(seq.grammar.fork(guessed) if guessed and seq.grammar is not None else seq.grammar)
+        seqs = [batch.seqs[i] for i in inputs.sample_rows]
+        samples = self.sampler.sample(
+            logits, [s.params for s in seqs], tokens, [s.num_prompt_tokens for s in seqs], grammars
+        )
+        ended: set[int] = set()  # speculating sequences whose run of kept guesses is over
+        for i, sample in zip(inputs.sample_rows, samples):
+            picked = out[i]
+            if picked is None:
+                out[i] = sample if isinstance(sample, SamplingError) else [sample]
+            elif i in ended or not isinstance(picked, list):
+                continue
+            elif isinstance(sample, SamplingError) or picked[-1].token_id != batch.seqs[i].draft[len(picked) - 1]:
+                ended.add(i)  # a failed row past the first ends the run: it is computed again next step
+            else:
+                picked.append(sample)
         return out

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.errors import InvalidParameter
 from pdserve.engine.grammar import KINDS, MAX_SPEC_CHARS, Constraint
+from pdserve.engine.speculation import MAX_SPECULATIVE_TOKENS
 
 
 @dataclass
@@ -26,6 +27,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
     constraint: Constraint | None = None  # what the output must match (JSON schema, regex, grammar)
+    speculative_tokens: int | None = None  # tokens guessed and checked per step at most; 0 off; None: the worker's
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 1024  # entries
@@ -69,6 +71,10 @@ class SamplingParams:
             bad("seed", "must be a non-negative 64-bit integer")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        if self.speculative_tokens is not None and not (
+            isinstance(self.speculative_tokens, int) and 0 <= self.speculative_tokens <= MAX_SPECULATIVE_TOKENS
+        ):
+            bad("speculative_tokens", f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}]")
         if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
             raise InvalidParameter("logit_bias", f"logit_bias takes at most {self.MAX_LOGIT_BIAS} tokens")
         for token, bias in self.logit_bias:

@@ -39,9 +39,10 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     def add(self, seq: Sequence, n: int) -> None:
+        """`n` counts the sequence's guesses too (`Sequence.draft`): they follow its last token in the step."""
         self.seqs.append(seq)
         self.num_new_tokens.append(n)
-        self.sampling.append(seq.num_computed_tokens + n == len(seq.token_ids))
+        self.sampling.append(seq.num_computed_tokens + n == len(seq.token_ids) + len(seq.draft))
 
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its last known token this step (and so samples the next one)."""
@@ -131,6 +132,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if seq.draft:
+                n += self._fit_draft(seq, n, budget)
             if not self._reserve(seq, seq.num_computed_tokens + n, batch):
                 continue  # seq itself was preempted; self.running shrank
             batch.add(seq, n)
@@ -154,6 +157,18 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _fit_draft(self, seq: Sequence, n: int, budget: int) -> int:
+        """Trim seq's guesses to what the step's token budget and the free blocks hold (guesses never preempt
+        anyone); how many remain. Only a sequence about to sample its next token checks guesses."""
+        draft = seq.draft
+        if len(seq.token_ids) - seq.num_computed_tokens != 1:
+            del draft[:]
+            return 0
+        slots = (len(seq.block_ids) + self.allocator.num_free_blocks) * self.allocator.block_size
+        keep = max(0, min(len(draft), budget - n, slots - seq.num_computed_tokens - n))
+        del draft[keep:]
+        return keep
+
     def _reserve(self, seq: Sequence, num_slots: int, batch: ScheduledBatch) -> bool:
         """Grow seq's blocks to hold num_slots tokens, preempting the newest others if needed."""
         need = self.allocator.blocks_needed(num_slots) - len(seq.block_ids)
@@ -169,6 +184,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        del seq.draft[:]
         self.release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

@@ -12,6 +12,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.grammar import GrammarState
+    from pdserve.engine.speculation import Speculation
 
 _seq_ids = itertools.count()
 
@@ -41,6 +42,12 @@ class Sequence:
     num_preemptions: int = 0
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     grammar: GrammarState | None = None  # where its constraint stands; it has taken every output token
+    speculation: Speculation | None = None  # its guessed next tokens, when it speculates
+
+    @property
+    def draft(self) -> list[int]:
+        """The guessed tokens the next (or in-flight) step checks after its last token; empty when none."""
+        return self.speculation.draft if self.speculation is not None else []
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

@@ -1,0 +1,297 @@
+"""Speculative decoding by prompt lookup: the guesses, their checking, and the tokens, which must be what they are
+without it (greedy and seeded draws alike), with every block handed back."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.errors import InvalidParameter
+from pdserve.engine.grammar import Constraint
+from pdserve.engine.model_store import resolve_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.speculation import MAX_SPECULATIVE_TOKENS, NgramIndex, Speculation, kept_prefix
+
+
+def _engine(path, **kw) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(path), **kw))
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    """Half of them repeat a phrase (what lookup finds), half are noise."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        if i % 2:
+            phrase = [rng.randrange(3, 256) for _ in range(rng.randrange(3, 9))]
+            prompts.append([rng.randrange(3, 256) for _ in range(5)] + phrase * rng.randrange(3, 6))
+        else:
+            prompts.append([rng.randrange(3, 256) for _ in range(rng.randrange(2, 60))])
+    return prompts
+
+
+def _run(engine: EngineCore, prompts, params) -> list[tuple[list[int], str | None]]:
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
+    while engine.has_work:
+        for out in engine.step():
+            assert out.error is None, out.error
+        engine.allocator.check_invariants()
+    assert engine.allocator.num_used_blocks == 0
+    return [(s.output_ids, s.finish_reason) for s in seqs]
+
+
+# ---- the guesses ---------------------------------------------------------------------------------------------------
+
+
+def test_lookup_proposes_what_followed_the_latest_longest_match():
+    index = NgramIndex()
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 6, 7, 8, 0, 2, 3, 4]
+    # the suffix 2 3 4 occurred twice before: the latest (followed by 6 7 8) wins
+    assert index.propose(tokens, 3) == [6, 7, 8]
+    assert index.propose(tokens, 1) == [6]
+    # a longer suffix that matches beats a shorter, more recent one
+    tokens = [7, 1, 2, 3, 50, 51, 9, 2, 3, 60, 7, 1, 2, 3]
+    assert NgramIndex().propose(tokens, 2) == [50, 51]
+
+
+def test_lookup_never_matches_the_suffix_with_itself_and_grows_with_the_text():
+    assert NgramIndex().propose([4, 5, 6, 7], 4) == []  # nothing earlier
+    assert NgramIndex().propose([4, 5], 4) == []
+    index = NgramIndex()  # one index follows one growing token list
+    tokens = [4, 5, 6, 7, 4, 5]
+    assert index.propose(tokens, 4) == [6, 7, 4, 5]
+    tokens += [6, 7]  # the latest earlier 6 7 ... 4 5 6 7 is at the start, followed by 4 5
+    assert index.propose(tokens, 2) == [4, 5]
+    assert index.propose(tokens, 0) == []
+    assert NgramIndex().propose([1, 1, 1, 1], 3) == [1]  # a run: what followed its latest earlier match is the last
+
+
+def test_guesses_adapt_to_what_is_kept():
+    spec = Speculation(8)
+    assert spec.k == 8
+    spec.draft = [1, 2, 3, 4, 5, 6, 7, 8]
+    spec.settle(2)
+    assert spec.k == 3 and spec.draft == [] and (spec.proposed, spec.accepted) == (8, 2)
+    spec.draft = [1, 2, 3]
+    spec.settle(3)
+    assert spec.k == 5
+    spec.draft = [1, 2, 3, 4, 5]
+    spec.settle(5)
+    assert spec.k == 7
+    spec.draft = [9]
+    spec.settle(0)
+    assert spec.k == 1
+    spec.settle(0)  # no guesses: nothing counted, nothing changed
+    assert (spec.proposed, spec.accepted, spec.k) == (17, 10, 1)
+    assert kept_prefix([5, 6, 7], [5, 6, 1, 2]) == 2
+    assert kept_prefix([5, 6], [5, 6, 7]) == 2
+    assert kept_prefix([], [3]) == 0
+
+
+def test_speculative_tokens_is_checked():
+    SamplingParams(speculative_tokens=0).validate()
+    SamplingParams(speculative_tokens=MAX_SPECULATIVE_TOKENS).validate()
+    for bad in (-1, MAX_SPECULATIVE_TOKENS + 1, 2.5):
+        with pytest.raises(InvalidParameter, match="speculative_tokens") as e:
+            SamplingParams(speculative_tokens=bad).validate()  # type: ignore[arg-type]
+        assert e.value.param == "speculative_tokens"
+
+
+# ---- the tokens: what they are without speculation -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_greedy_tokens_are_those_without_speculation(tiny_model_dir, block_size):
+    prompts = _prompts(12, seed=1)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = _run(_engine(tiny_model_dir, num_blocks=256, block_size=block_size), prompts, params)
+    engine = _engine(tiny_model_dir, num_blocks=256, block_size=block_size, speculative_tokens=6)
+    assert _run(engine, prompts, params) == plain
+    assert engine.num_proposed > 0 and 0 < engine.num_accepted <= engine.num_proposed
+    assert engine.stats().speculative_accepted_total == engine.num_accepted
+
+
+def test_seeded_draws_are_those_without_speculation(tiny_model_dir):
+    """A kept guess is the token the row drew with the uniform of its output position, so a seed gives the same
+    tokens: top-k, top-p, min-p, penalties, min_tokens and logprobs included."""
+    prompts = _prompts(10, seed=2)
+    rng = random.Random(5)
+    params = [
+        SamplingParams(
+            max_tokens=32,
+            temperature=rng.choice([0.3, 0.7, 1.0]),
+            top_k=rng.choice([0, 5]),
+            top_p=rng.choice([1.0, 0.9]),
+            min_p=rng.choice([0.0, 0.05]),
+            repetition_penalty=rng.choice([1.0, 1.2]),
+            frequency_penalty=rng.choice([0.0, 0.5]),
+            min_tokens=rng.choice([0, 8]),
+            logprobs=rng.choice([None, 2]),
+            seed=1000 + i,
+        )
+        for i in range(len(prompts))
+    ]
+    plain_engine = _engine(tiny_model_dir, num_blocks=256, block_size=4)
+    spec_engine = _engine(tiny_model_dir, num_blocks=256, block_size=4, speculative_tokens=5)
+    plain_seqs = [plain_engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    spec_seqs = [spec_engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    logprobs: dict[tuple[int, int], list] = {}
+    for engine, tag in ((plain_engine, 0), (spec_engine, 1)):
+        while engine.has_work:
+            for out in engine.step():
+                assert out.sample is not None
+                if out.seq.params.logprobs is not None:
+                    logprobs.setdefault((tag, id(out.seq)), []).append(out.sample)
+    for a, b in zip(plain_seqs, spec_seqs):
+        assert b.output_ids == a.output_ids and b.finish_reason == a.finish_reason
+        if a.params.logprobs is not None:
+            got, want = logprobs[(1, id(b))], logprobs[(0, id(a))]
+            assert [s.token_id for s in got] == [s.token_id for s in want]
+            for g, w in zip(got, want):
+                assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
+                assert [t for t, _ in g.top_logprobs] == [t for t, _ in w.top_logprobs]
+    assert spec_engine.num_accepted > 0
+    assert spec_engine.allocator.num_used_blocks == 0
+
+
+def test_stops_and_limits_end_a_run_of_kept_guesses(tiny_model_dir):
+    """A kept guess that is a stop token, or that reaches max_tokens, ends the sequence there: nothing after it is
+    returned."""
+    prompts = _prompts(8, seed=3)
+    plain_engine = _engine(tiny_model_dir, num_blocks=256, block_size=4)
+    free = _run(plain_engine, prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    # stop on a token each greedy answer reaches in the middle, so a run of guesses may cross it
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=(out[len(out) // 2],))
+        for out, _ in free
+    ]
+    plain = _run(plain_engine, prompts, params)
+    spec_engine = _engine(tiny_model_dir, num_blocks=256, block_size=4, speculative_tokens=8)
+    assert _run(spec_engine, prompts, params) == plain
+    assert all(reason == "stop" for _, reason in plain)
+    for n in (1, 2, 7):
+        short = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        assert _run(spec_engine, prompts, short) == _run(plain_engine, prompts, short)
+
+
+def test_requests_that_do_and_do_not_speculate_share_steps(tiny_model_dir):
+    """Per request: speculative_tokens 0 turns it off on a worker that speculates, a number turns it on where the
+    worker does not; both kinds in one batch keep their tokens."""
+    prompts = _prompts(10, seed=4)
+    base = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    mixed = [
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, speculative_tokens=[0, 3, None][i % 3])
+        for i in range(len(prompts))
+    ]
+    plain = _run(_engine(tiny_model_dir, num_blocks=256, block_size=4), prompts, base)
+    for worker_k in (0, 4):
+        engine = _engine(tiny_model_dir, num_blocks=256, block_size=4, speculative_tokens=worker_k)
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, mixed)]
+        while engine.has_work:
+            engine.step()
+        assert [(s.output_ids, s.finish_reason) for s in seqs] == plain
+        for seq in seqs:
+            k = seq.params.speculative_tokens
+            speculates = (worker_k if k is None else k) > 0
+            assert (seq.speculation is not None) == speculates
+
+
+def test_a_small_pool_preempts_and_trims_guesses_and_stays_exact(tiny_model_dir):
+    """Guesses take only blocks that are free: they never preempt anyone, and a preempted sequence drops them."""
+    prompts = _prompts(8, seed=6)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = _run(_engine(tiny_model_dir, num_blocks=256, block_size=4), prompts, params)
+    engine = _engine(tiny_model_dir, num_blocks=48, block_size=4, speculative_tokens=8)
+    assert _run(engine, prompts, params) == plain
+    assert engine.num_preemptions > 0 and engine.num_accepted > 0
+
+
+def test_a_tight_token_budget_trims_guesses(tiny_model_dir):
+    prompts = _prompts(6, seed=7)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = _run(_engine(tiny_model_dir, num_blocks=256, block_size=4, max_num_batched_tokens=9), prompts, params)
+    engine = _engine(tiny_model_dir, num_blocks=256, block_size=4, max_num_batched_tokens=9, speculative_tokens=8)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_work:
+        batch = engine.schedule()
+        assert batch.num_tokens <= 9
+        engine.update(batch, engine.execute(batch))
+    assert engine.num_accepted > 0
+    assert [(s.output_ids, s.finish_reason) for s in seqs] == plain
+
+
+def test_an_aborted_sequence_with_guesses_in_flight_hands_back_its_blocks(tiny_model_dir):
+    engine = _engine(tiny_model_dir, num_blocks=64, block_size=4, speculative_tokens=8)
+    phrase = [11, 12, 13, 14, 15]
+    seq = engine.add_request([3] + phrase * 5, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    for _ in range(50):
+        batch = engine.schedule()
+        if seq.draft:
+            break
+        engine.update(batch, engine.execute(batch))
+    assert seq.draft, "the repeated phrase was meant to be guessed"
+    blocks = len(seq.block_ids)
+    samples = engine.execute(batch)
+    engine.abort(seq)  # while its step is in flight: freed when the step is accounted
+    assert len(seq.block_ids) == blocks
+    engine.update(batch, samples)
+    assert seq.is_finished and engine.allocator.num_used_blocks == 0
+    engine.allocator.check_invariants()
+
+
+# ---- the built-in model: bf16 kernels, a real tokenizer, grammars --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    path = resolve_model("default")
+    return path, {k: _engine(path, dtype="bfloat16", speculative_tokens=k) for k in (0, 6)}
+
+
+def _chat(path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    messages = [{"role": "user", "content": text}]
+    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+COPY = (
+    "Copy this list exactly: apples, pears, plums, cherries, apples, pears, plums, cherries, apples, pears, plums, "
+    "cherries, apples, pears, plums, cherries."
+)
+
+
+def test_builtin_model_bf16_greedy_is_the_same_with_guesses_in_the_step(builtin):
+    """The bf16 kernels sum a row the same way whatever rows share its step, so the C layer stack picks the same
+    greedy tokens for a guess checked beside others as for a one-row step."""
+    path, engines = builtin
+    prompts = [_chat(path, COPY), _chat(path, "Write a short poem about the sea.")]
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    plain = _run(engines[0], prompts, params)
+    before = engines[6].num_accepted
+    assert _run(engines[6], prompts, params) == plain
+    assert engines[6].num_accepted - before >= 16
+
+
+def test_a_grammar_masks_each_guess_row_from_the_state_after_the_guesses_before(builtin):
+    path, engines = builtin
+    schema = '{"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string"}}}}'
+    prompts = [_chat(path, COPY + " Answer in JSON with a fruits array.")]
+    for params in (
+        SamplingParams(max_tokens=80, temperature=0.0, constraint=Constraint("json_schema", schema)),
+        SamplingParams(max_tokens=80, temperature=0.8, seed=3, constraint=Constraint("regex", r"(apples, |pears, )+")),
+    ):
+        seqs = []
+        for engine in (engines[0], engines[6]):
+            seq = engine.add_request(prompts[0], params)
+            while engine.has_work:
+                for out in engine.step():
+                    assert out.error is None, out.error
+            seqs.append(seq)
+        assert seqs[1].output_ids == seqs[0].output_ids
+        assert seqs[1].speculation is not None and seqs[1].speculation.accepted > 0
