@@ -39,6 +39,22 @@ class DecodeMetrics:
         )
         self.generation_tokens = Counter("pdserve_decode_generation_tokens", "Tokens generated.", registry=r)
         self.preemptions = Counter("pdserve_decode_preemptions", "Sequences preempted and recomputed.", registry=r)
+        self.speculative_proposed = Counter(
+            "pdserve_decode_speculative_proposed_tokens",
+            "Tokens guessed by prompt lookup and checked (counted when their request ends).",
+            registry=r,
+        )
+        self.speculative_accepted = Counter(
+            "pdserve_decode_speculative_accepted_tokens",
+            "Guessed tokens the model's own choice confirmed (counted when their request ends).",
+            registry=r,
+        )
+        self.speculative_acceptance = Histogram(
+            "pdserve_decode_speculative_acceptance_ratio",
+            "Per request that speculated: accepted over proposed guesses.",
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+            registry=r,
+        )
         self.transfer = TransferMetrics(sent=False, registry=r)
         self.running = Gauge("pdserve_decode_requests_running", "Sequences in the running batch.", registry=r)
         self.waiting = Gauge("pdserve_decode_requests_waiting", "Requests waiting for blocks or prefill.", registry=r)

@@ -83,11 +83,22 @@ class RequestWatch:
         if status == "ok":
             m.latency.e2e.observe(e2e)
         m.requests.labels(status).inc()
+        spec = seq.speculation
+        proposed, accepted = (spec.proposed, spec.accepted) if spec is not None else (0, 0)
+        if proposed:
+            m.speculative_proposed.inc(proposed)
+            m.speculative_accepted.inc(accepted)
+            m.speculative_acceptance.observe(accepted / proposed)
         if self._stream is not None:
             self._stream.set_attributes(
                 {
                     "pdserve.completion_tokens": seq.num_output_tokens,
                     "pdserve.finish_reason": seq.finish_reason or status,
+                    **(
+                        {"pdserve.speculative.proposed": proposed, "pdserve.speculative.accepted": accepted}
+                        if spec is not None
+                        else {}
+                    ),
                 }
             )
             self._stream.end()
@@ -103,6 +114,7 @@ class RequestWatch:
             ttft_s=round(self.ttft, 4) if self.ttft is not None else None,
             e2e_s=round(e2e, 4),
             prefill=self.prefill,
+            **({"speculative_proposed": proposed, "speculative_accepted": accepted} if spec is not None else {}),
         )
 
 

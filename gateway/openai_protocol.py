@@ -1,7 +1,8 @@
 """The OpenAI API's request bodies, validated by pydantic models and read into the gateway's own request.
 
 OpenAI's parameters plus vLLM's extras (top_k, min_p, min_tokens, ignore_eos, repetition_penalty, stop_token_ids,
-and the structured-output fields guided_json / guided_regex / guided_choice / guided_grammar) and logit_bias.
+and the structured-output fields guided_json / guided_regex / guided_choice / guided_grammar), logit_bias, and
+pdserve's speculative_tokens.
 `response_format` json_object and json_schema, and the guided_* fields, become one output constraint (at most one
 per request). Types are strict (a string is not a number, a bool is not an integer) and ranges are the proto fields'
 (a value beyond them is the caller's error, not a protobuf exception). Chat `tools`, `tool_choice` and
@@ -114,6 +115,7 @@ class _Common(_Strict):
     min_tokens: Count | None = None
     seed: Annotated[int, Field(ge=0, le=2**64 - 1)] | None = None
     ignore_eos: bool | None = None
+    speculative_tokens: Count | None = None
     stop_token_ids: list[Count] | None = None
     logit_bias: dict[str, float] | None = None
     n: int | None = None
@@ -245,7 +247,7 @@ def _sampling(body: ChatBody | CompletionBody) -> tuple[common_pb2.SamplingParam
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if (value := getattr(body, name)) is not None:
             setattr(s, name, value)
-    for name in ("top_k", "min_tokens", "seed"):
+    for name in ("top_k", "min_tokens", "seed", "speculative_tokens"):
         if (value := getattr(body, name)) is not None:
             setattr(s, name, value)
     s.ignore_eos = bool(body.ignore_eos)

@@ -34,6 +34,12 @@ class EngineOptions:
         choices=ACTIVATIONS,
         env=("PDSERVE_ACTIVATIONS",),
     )
+    speculative_tokens: int = option(
+        _ENGINE.speculative_tokens,
+        "decode: guess up to this many tokens per step from the sequence's own text (prompt lookup) and check them "
+        "in the same step; the output is what it would be without (0: off; a request's speculative_tokens overrides)",
+        env=("PDSERVE_SPECULATIVE_TOKENS",),
+    )
     block_size: int = option(_ENGINE.block_size, "tokens per KV-cache block")
     kv_cache_memory: int = option(_ENGINE.kv_cache_memory, "KV pool size per worker, e.g. 512M, 2G", parse=parse_size)
     max_num_seqs: int = option(_ENGINE.max_num_seqs, "sequences in one continuous batch at most")

@@ -24,6 +24,7 @@ _OPTIONAL_FIELDS = (
     "frequency_penalty",
     "logprobs",
     "min_tokens",
+    "speculative_tokens",
 )
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/protos/common.proto\x12\npdserve.v1\"\x9d\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\t\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\n\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12*\n\nconstraint\x18\x10 \x01(\x0b\x32\x16.pdserve.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"\\\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x03 \x01(\tH\x00\x12\x0e\n\x06strict\x18\x04 \x01(\x08\x42\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpdserve/protos/common.proto\x12\npdserve.v1\"\xd5\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\rH\t\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\n\x88\x01\x01\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12*\n\nconstraint\x18\x10 \x01(\x0b\x32\x16.pdserve.v1.Constraint\x12\x1f\n\x12speculative_tokens\x18\x11 \x01(\rH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x15\n\x13_speculative_tokens\"\\\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x03 \x01(\tH\x00\x12\x0e\n\x06strict\x18\x04 \x01(\x08\x42\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1035
-  _globals['_FINISHREASON']._serialized_end=1155
+  _globals['_FINISHREASON']._serialized_start=1091
+  _globals['_FINISHREASON']._serialized_end=1211
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=713
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=501
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=549
-  _globals['_CONSTRAINT']._serialized_start=715
-  _globals['_CONSTRAINT']._serialized_end=807
-  _globals['_TOPLOGPROB']._serialized_start=809
-  _globals['_TOPLOGPROB']._serialized_end=856
-  _globals['_TOKENLOGPROB']._serialized_start=858
-  _globals['_TOKENLOGPROB']._serialized_end=944
-  _globals['_USAGE']._serialized_start=946
-  _globals['_USAGE']._serialized_end=1033
+  _globals['_SAMPLINGPARAMS']._serialized_end=769
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=534
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=582
+  _globals['_CONSTRAINT']._serialized_start=771
+  _globals['_CONSTRAINT']._serialized_end=863
+  _globals['_TOPLOGPROB']._serialized_start=865
+  _globals['_TOPLOGPROB']._serialized_end=912
+  _globals['_TOKENLOGPROB']._serialized_start=914
+  _globals['_TOKENLOGPROB']._serialized_end=1000
+  _globals['_USAGE']._serialized_start=1002
+  _globals['_USAGE']._serialized_end=1089
 # @@protoc_insertion_point(module_scope)

@@ -39,8 +39,15 @@ ALLOWED = {
 }
 # single modules a layer may import from a layer it otherwise may not: the gateway checks sampling parameters by the
 # engine's own rules, checks an output constraint compiles with the workers' own code (llguidance, no torch) and names
-# the engine's failures (plain classes; importing them loads no model code)
-EXCEPTIONS = {"gateway": {"pdserve.engine.sampling_params", "pdserve.engine.errors", "pdserve.engine.grammar"}}
+# the engine's failures (plain classes; importing them loads no model code), and the speculation limit (plain Python)
+EXCEPTIONS = {
+    "gateway": {
+        "pdserve.engine.sampling_params",
+        "pdserve.engine.errors",
+        "pdserve.engine.grammar",
+        "pdserve.engine.speculation",
+    }
+}
 SUBPACKAGES = set(ALLOWED) - {"core"}
 # where each layer's sources are: the folders at the top of the repository, the CLI inside pdserve/
 FOLDERS = {layer: ROOT / layer for layer in SUBPACKAGES - {"cli"}} | {"cli": ROOT / "pdserve" / "cli"}

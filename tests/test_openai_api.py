@@ -120,6 +120,8 @@ async def test_sse_framing_and_logprobs_raw(stack):
         ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "hi", "stop": [1, 2]}, 400, "stop"),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+        ("/v1/completions", {"prompt": "hi", "speculative_tokens": 17}, 400, "speculative_tokens"),
+        ("/v1/completions", {"prompt": "hi", "speculative_tokens": -1}, 400, "speculative_tokens"),
     ],
 )
 async def test_bad_parameters_are_named_in_openai_errors(stack, path, body, status, param):
@@ -388,6 +390,30 @@ async def test_tool_calls_through_the_official_client(stack):
         assert all(c.function.name in params for c in answer.message.tool_calls)
     else:
         assert answer.message.content and not answer.message.tool_calls
+
+
+def _speculated(stack) -> tuple[float, float]:
+    page = scrape(stack.metrics["decode"])
+    return tuple(  # type: ignore[return-value]
+        page.get((f"pdserve_decode_speculative_{kind}_tokens_total", frozenset()), 0.0)
+        for kind in ("proposed", "accepted")
+    )
+
+
+async def test_speculative_tokens_extension_keeps_the_text(stack):
+    """pdserve's speculative_tokens field turns prompt lookup on for one request (this worker's default is off):
+    the greedy text is the same, and the decode worker counts what it guessed and kept."""
+    phrase = "red, green, blue, yellow, "
+    kw = dict(model="SmolLM2-135M-Instruct", prompt="Colours: " + phrase * 6, max_tokens=48, temperature=0.0)
+    before = _speculated(stack)
+    async with _client(stack) as client:
+        plain = await client.completions.create(**kw)
+        fast = await client.completions.create(**kw, extra_body={"speculative_tokens": 6})
+    assert fast.choices[0].text == plain.choices[0].text
+    assert fast.usage.completion_tokens == plain.usage.completion_tokens
+    after = _speculated(stack)
+    proposed, accepted = after[0] - before[0], after[1] - before[1]
+    assert proposed > 0 and 0 < accepted <= proposed
 
 
 def _prefill_computed(stack) -> float:

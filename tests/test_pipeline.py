@@ -25,7 +25,9 @@ def _texts(n: int, seed: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def stack():
-    s = start_stack()
+    """The decode worker speculates (prompt lookup, up to 4 guesses a step): every answer below must still be
+    transformers' greedy text, token for token."""
+    s = start_stack(decode_extra=["--speculative-tokens", "4"])
     yield s
     s.stop()
 
@@ -45,6 +47,26 @@ async def test_concurrent_greedy_requests_match_transformers(stack, hf_model, to
         assert got.text == tokenizer.decode(want)
         assert got.prompt_tokens == len(prompt_ids) and got.completion_tokens == len(want)
         assert got.finish_reason == ("stop" if want[-1] == EOS else "length")
+    stack.wait_idle()
+
+
+async def test_the_decode_worker_speculates_on_repeated_text(stack, hf_model, tokenizer):
+    """A prompt the answer copies from: guesses are kept, the tokens stay transformers' greedy ones, and a request
+    that turns speculation off (speculative_tokens 0) is served beside it with its own tokens."""
+    prompt = "List: " + "alpha beta gamma delta epsilon, " * 8
+    ids = tokenizer.encode(prompt)
+    want = until_eos(hf_greedy(hf_model, ids, 40))
+    page = scrape(stack.metrics["decode"])
+    before = page.get(("pdserve_decode_speculative_accepted_tokens_total", frozenset()), 0.0)
+    async with Client(stack.gateway) as client:
+        on, off = await asyncio.gather(
+            client.complete(prompt=prompt, max_tokens=40, temperature=0.0),
+            client.complete(prompt=prompt, max_tokens=40, temperature=0.0, speculative_tokens=0),
+        )
+    assert on.token_ids == want and off.token_ids == want
+    page = scrape(stack.metrics["decode"])
+    assert page[("pdserve_decode_speculative_accepted_tokens_total", frozenset())] - before > 0
+    assert page[("pdserve_decode_speculative_acceptance_ratio_count", frozenset())] >= 1
     stack.wait_idle()
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.cli.errors import CLIError
 from pdserve.config import COMMANDS, ColocatedConfig, DecodeConfig, GatewayConfig, PrefillConfig
+from pdserve.engine.speculation import MAX_SPECULATIVE_TOKENS
 from pdserve.flags import from_args
 from pdserve.options import EngineOptions, ObservabilityOptions, ServerOptions, TLSOptions
 
@@ -203,6 +204,8 @@ def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         if getattr(options, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= options.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise CLIError(f"--speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]")
     if options.max_model_len is not None and options.max_model_len < 1:
         raise CLIError("--max-model-len must be >= 1 (leave it out for the model's own context length)")
     free = available_memory()
@@ -231,6 +234,7 @@ def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
         device=options.device,
         quantization=options.quantization,
         activations=options.activations,
+        speculative_tokens=options.speculative_tokens,
     )
 
 
