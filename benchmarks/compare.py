@@ -80,10 +80,17 @@ def spawn(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Pop
 
 @contextlib.contextmanager
 def pdserve_up(
-    log: Path, dtype: str, quantization: str, colocated: bool, activations: str = "q8", model: str = "default"
+    log: Path,
+    dtype: str,
+    quantization: str,
+    colocated: bool,
+    activations: str = "q8",
+    model: str = "default",
+    metrics_port: int = -1,
 ) -> Iterator[tuple[str, int]]:
     """`pdserve up` (gateway and workers, or one colocated worker behind the gateway) on free loopback ports,
-    logging to `log`; yields the gateway's gRPC address and its HTTP port once it serves, and stops it all after."""
+    logging to `log`; yields the gateway's gRPC address and its HTTP port once it serves, and stops it all after.
+    `metrics_port`: where the gateway's /metrics goes (the workers' on the ports after it); -1: none."""
     port, http = free_port(), free_port()
     argv = [
         sys.executable,
@@ -107,7 +114,7 @@ def pdserve_up(
         "--decode-port",
         str(free_port()),
         "--metrics-port",
-        "-1",
+        str(metrics_port),
         "--kv-cache-memory",
         "1G",
         "--max-num-seqs",

@@ -1,0 +1,167 @@
+"""What speculation by prompt lookup buys: served latency and throughput with it and without, on prompts whose
+answer copies from them and on prompts with nothing to copy.
+
+    python -m pdserve.benchmarks.speculation [--model PATH] [--k 8] [--rounds 3] [--dtype auto]
+
+One `pdserve up --colocated` (speculation off by default); each request turns it on or off with its own
+`speculative_tokens`, and the two sides' rounds are interleaved so that a busy spell of the machine falls on both.
+
+- c=1: time per output token (TPOT: from the first token to the last, over the tokens after the first) p50 over
+  every request, greedy; and whether each greedy answer is the same token for token with and without.
+- c=8: output tokens per second of rounds of 8 concurrent requests (the set's prompts in turn), median over rounds.
+- The decode worker's counters: guesses proposed and kept.
+
+Copy-heavy prompts edit, fix or reformat a text or code they carry (this package's own source and docstrings, so
+nothing is downloaded); the others ask for new text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def copy_prompts() -> list[str]:
+    from pdserve.engine import engine_loop, scheduler, speculation
+
+    code = inspect.getsource(speculation.NgramIndex)
+    prose = (scheduler.__doc__ or "").strip()
+    loop_doc = (engine_loop.__doc__ or "").strip()
+    return [
+        f"Rename the variable `tokens` to `ids` in this Python code and return the whole code:\n\n{code}",
+        f"Fix any spelling mistakes in this text and return the whole corrected text:\n\n{prose}",
+        f"Rewrite this text with each sentence on its own line, changing nothing else:\n\n{loop_doc}",
+        f"Add a comment line above every method of this class and return the whole code:\n\n{code}",
+    ]
+
+
+NO_COPY = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a bicycle's gears work, for a ten-year-old.",
+    "Give me ten ideas for a rainy-day activity with friends, with a sentence on each.",
+    "Describe the water cycle in a few paragraphs.",
+]
+OUTPUT = 160
+
+
+async def _one(client, prompt: str, k: int, temperature: float, seed: int) -> tuple[list[int], float, float]:
+    """(tokens, time to the first, time from the first to the last)."""
+    start = time.perf_counter()
+    first = last = 0.0
+    tokens: list[int] = []
+    async for resp in client.stream(
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=OUTPUT,
+        temperature=temperature,
+        seed=seed,
+        speculative_tokens=k,
+    ):
+        if not resp.token_ids:
+            continue
+        now = time.perf_counter() - start
+        if not tokens:
+            first = now
+        last = now
+        tokens.extend(resp.token_ids)
+    return tokens, first, last - first
+
+
+def _tpot(tokens: list[int], gap: float) -> float | None:
+    return gap / (len(tokens) - 1) if len(tokens) > 1 else None
+
+
+async def _c1(address: str, prompts: list[str], k: int, rounds: int, temperature: float) -> dict:
+    """Each prompt `rounds` times, off and on in turn: TPOTs of each side and whether the answers matched."""
+    from pdserve.client import Client
+
+    tpot: dict[int, list[float]] = {0: [], k: []}
+    same, answers = 0, 0
+    async with Client(address) as client:
+        await _one(client, prompts[0], k, temperature, 0)  # warm
+        for r in range(rounds):
+            for i, prompt in enumerate(prompts):
+                got = {}
+                for side in (0, k) if (r + i) % 2 == 0 else (k, 0):
+                    tokens, _, gap = await _one(client, prompt, side, temperature, 100 * r + i)
+                    got[side] = tokens
+                    if (t := _tpot(tokens, gap)) is not None:
+                        tpot[side].append(t)
+                answers += 1
+                same += got[0] == got[k]
+    return {"tpot": tpot, "same": same, "answers": answers}
+
+
+async def _c8(address: str, prompts: list[str], k: int, rounds: int) -> dict[int, list[float]]:
+    """Output tokens per second of rounds of 8 concurrent greedy requests, off and on in turn."""
+    from pdserve.client import Client
+
+    rates: dict[int, list[float]] = {0: [], k: []}
+    async with Client(address) as client:
+        for r in range(rounds):
+            for side in (0, k) if r % 2 == 0 else (k, 0):
+                start = time.perf_counter()
+                outs = await asyncio.gather(*(_one(client, prompts[i % len(prompts)], side, 0.0, i) for i in range(8)))
+                rates[side].append(sum(len(t) for t, _, _ in outs) / (time.perf_counter() - start))
+    return rates
+
+
+def _counters(metrics_port: int) -> tuple[float, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return (
+        values.get("pdserve_decode_speculative_proposed_tokens_total", 0.0),
+        values.get("pdserve_decode_speculative_accepted_tokens_total", 0.0),
+    )
+
+
+def served(model: str, dtype: str, k: int, rounds: int) -> list[str]:
+    from pdserve.benchmarks.compare import free_port, pdserve_up
+
+    lines = []
+    metrics = free_port()  # the gateway's; the colocated worker's is the next
+    log = Path(tempfile.mkdtemp()) / "up.log"
+    sets = {"copy-heavy": copy_prompts(), "nothing to copy": NO_COPY}
+    with pdserve_up(log, dtype, "none", colocated=True, model=model, metrics_port=metrics) as (address, _):
+        for name, prompts in sets.items():
+            for temperature in (0.0, 0.8):
+                c1 = asyncio.run(_c1(address, prompts, k, rounds, temperature))
+                off, on = statistics.median(c1["tpot"][0]) * 1e3, statistics.median(c1["tpot"][k]) * 1e3
+                same = f"; same answers {c1['same']}/{c1['answers']}" if temperature == 0.0 else ""
+                lines.append(
+                    f"{name}, temperature {temperature}, c=1: TPOT p50 off {off:.2f} ms, on (k={k}) {on:.2f} ms "
+                    f"({off / on:.2f}x faster){same}"
+                )
+            c8 = asyncio.run(_c8(address, prompts, k, max(2, rounds)))
+            off8, on8 = statistics.median(c8[0]), statistics.median(c8[k])
+            lines.append(f"{name}, greedy, c=8: off {off8:.1f} tokens/s, on {on8:.1f} tokens/s ({on8 / off8:.2f}x)")
+        proposed, accepted = _counters(metrics + 1)
+        lines.append(f"decode worker: {proposed:.0f} guesses proposed, {accepted:.0f} kept")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default", help="a model directory or .gguf (default: the built-in model)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--k", type=int, default=8, help="speculative_tokens of the requests that speculate")
+    ap.add_argument("--rounds", type=int, default=3, help="passes over each prompt set per point")
+    args = ap.parse_args()
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    isa = " ".join(f for f in flags.split() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
+    print(f"CPU flags: {isa}")
+    for line in served(args.model, args.dtype, args.k, args.rounds):
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
