@@ -314,27 +314,35 @@ static void panel_rows8(const float *p, int64_t K, const float *x, int64_t ldx, 
     }
 }
 
-/* One group for any number of rows, in tiles of at most 8: acc[rows][16]. */
+/* One group for any number of rows: acc[rows][16]. Every tile keeps two accumulators a column (even and odd k),
+ * so a row's sums run in one order whatever the number of rows beside it (speculative decoding checks guesses as
+ * rows of one step and must pick what a one-row step picks): one or two rows take both column halves at once;
+ * more go in tiles as even as they go of at most 6 rows, a column half at a time (6 rows x 2 accumulators fill 12
+ * registers). */
 static inline __attribute__((always_inline)) void group8_fmt(const int fmt, const uint8_t *blk, int64_t bb,
                                                              int64_t nb, const float *x, int64_t ldx, int rows,
                                                              int64_t K, float *acc) {
-    for (int r0 = 0; r0 < rows; r0 += 8) {
-        const int R = rows - r0 < 8 ? rows - r0 : 8;
+    if (rows <= 2) {
+        if (rows == 1)
+            tile8(fmt, blk, bb, nb, x, ldx, 1, 2, 2, 0, K, acc);
+        else
+            tile8(fmt, blk, bb, nb, x, ldx, 2, 2, 2, 0, K, acc);
+        return;
+    }
+    const int tiles = (rows + 5) / 6;
+    for (int t = 0, r0 = 0; t < tiles; t++) {
+        const int R = (rows - r0) / (tiles - t);
         const float *xr = x + r0 * ldx;
         float *ar = acc + r0 * G;
-        switch (R) {
-        case 1: tile8(fmt, blk, bb, nb, xr, ldx, 1, 2, 2, 0, K, ar); break;
-        case 2: tile8(fmt, blk, bb, nb, xr, ldx, 2, 2, 2, 0, K, ar); break;
-        case 3: tile8(fmt, blk, bb, nb, xr, ldx, 3, 2, 1, 0, K, ar); break;
-        case 4: tile8(fmt, blk, bb, nb, xr, ldx, 4, 2, 1, 0, K, ar); break;
-        default:
-            for (int h = 0; h < 2; h++) switch (R) {
-                case 5: tile8(fmt, blk, bb, nb, xr, ldx, 5, 1, 2, h, K, ar); break;
-                case 6: tile8(fmt, blk, bb, nb, xr, ldx, 6, 1, 2, h, K, ar); break;
-                case 7: tile8(fmt, blk, bb, nb, xr, ldx, 7, 1, 1, h, K, ar); break;
-                default: tile8(fmt, blk, bb, nb, xr, ldx, 8, 1, 1, h, K, ar);
-                }
-        }
+        for (int h = 0; h < 2; h++) switch (R) {
+            case 1: tile8(fmt, blk, bb, nb, xr, ldx, 1, 1, 2, h, K, ar); break;
+            case 2: tile8(fmt, blk, bb, nb, xr, ldx, 2, 1, 2, h, K, ar); break;
+            case 3: tile8(fmt, blk, bb, nb, xr, ldx, 3, 1, 2, h, K, ar); break;
+            case 4: tile8(fmt, blk, bb, nb, xr, ldx, 4, 1, 2, h, K, ar); break;
+            case 5: tile8(fmt, blk, bb, nb, xr, ldx, 5, 1, 2, h, K, ar); break;
+            default: tile8(fmt, blk, bb, nb, xr, ldx, 6, 1, 2, h, K, ar);
+            }
+        r0 += R;
     }
 }
 

@@ -41,6 +41,10 @@ PROMPT_ROWS = {"avx512": 128, "avx2": 512, "portable": 32}
 BF16_ROWS_DECODE = {False: 8, True: 64}
 # integer products (cpu_linear_q8.h): up to this many rows, then the fp32 GEMM over the dequantized weight
 Q8_ROWS = 1 << 30
+# cpu_linear_avx2.h: from this many rows bf16 and Q8_0 blocks take the block-wise tiles, which sum in another order
+TILE8_BLOCK_ROWS = 8
+# AMX tiles take bf16 rows against bf16_rows, Q8_0 and 4-bit blocks from this many rows on (AMX_BF16_ROWS, AMX_ROWS)
+AMX_ROWS = 4
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -238,6 +242,7 @@ class CpuLinear:
         self._block_dots_q8 = lib.block_dots_q8
         self._block_dots_q8.argtypes, self._block_dots_q8.restype = [_P, _I, _I64, _I64, _P, _I64, _P], _I
         self._scratch = torch.empty(0)
+        self.level = level
         self.prompt_rows = PROMPT_ROWS[level]  # where this level's kernel stops beating dequantize + torch's GEMM
         features = lib.features()
         self.bf16_dot = bool(features & 1)  # vdpbf16ps: bf16 rows against Q8_0 / 4-bit blocks, 2x fp32's rate
@@ -361,6 +366,23 @@ class QuantLinear(nn.Module):
         self.bf16_rows = 1 << 30 if kernels.bf16_dot and self.fmt in ("q8_0", "q4_0", "q4_1") else self.decode_rows
         if q8:
             self.decode_rows = self.bf16_rows = kernels.q8_rows
+        self.invariant_rows = self._invariant_rows()
+
+    def _invariant_rows(self) -> int:
+        """Rows up to which each row's output, bf16 activations in, is the one it gets alone (its sums run in one
+        order whatever rows share the step; tests/test_quant_linear.py checks it at every ISA level): what a step
+        that checks speculative guesses may hold and keep its tokens those of one-row steps. 1 where the kernel
+        switches tiles by the row count."""
+        kernels = self.kernels
+        if kernels.tiles:
+            return AMX_ROWS - 1
+        if self.packing in Q8_ACTIVATIONS.values():  # integer block sums, then one fp32 sum per block and row
+            return self.bf16_rows
+        if self.fmt == "bf16_rows":  # tile_rows_dp2 / tile_rows_f32, then oneDNN
+            return self.bf16_rows
+        if kernels.level == "avx2" and self.fmt in ("bf16", "f32"):  # group8_fmt's tiles, then the block-wise ones
+            return min(self.bf16_rows, TILE8_BLOCK_ROWS - 1 if self.fmt == "bf16" else self.bf16_rows)
+        return 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -165,3 +165,21 @@ def test_the_native_build_multiplies_bf16_pairs_where_the_cpu_can(tmp_path, monk
     monkeypatch.setenv(cpu_isa.ENV, "avx512")
     capped = quant_linear.load(tmp_path / "capped")
     assert capped is not None and not capped.bf16_dot and not capped.tiles
+
+
+@pytest.mark.parametrize(
+    "fmt,activations",
+    [("bf16", "exact"), ("bf16_rows", "exact"), ("f32", "exact"), ("q8_0", "q8"), ("q4_0", "q8"), ("q4_1", "q8")],
+)
+def test_a_row_is_what_it_is_alone_up_to_the_claimed_rows(kernels, fmt, activations):
+    """`invariant_rows` is what speculative decoding trusts: a step of up to that many bf16 rows gives every row
+    exactly (bit for bit) what a step of that row alone gives, so a checked guess picks what a one-row step picks."""
+    n, k = 200, 160  # a ragged last group and block
+    gen = torch.Generator().manual_seed(11)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(40, k, generator=gen).bfloat16()
+    lin = QuantLinear(quant_linear.quantize(w, fmt), None, kernels, activations=activations)
+    rows = min(lin.invariant_rows, len(x))
+    assert rows >= 1
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(rows)])
+    for m in sorted({2, 3, 4, 5, 7, rows} - {r for r in (2, 3, 4, 5, 7) if r > rows}):
+        assert torch.equal(lin(x[:m]), alone[:m]), f"{m} rows"
