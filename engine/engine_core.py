@@ -32,10 +32,12 @@ from pdserve.engine.request_check import check_request
 from pdserve.engine.sampling_params import SampleOutput, SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch, Scheduler
 from pdserve.engine.sequence import Sequence, SequenceStatus
-from pdserve.engine.speculation import Speculation
+from pdserve.engine.speculation import Speculation, worth_checking
 from pdserve.kernels.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
+
+RECHECK_EVERY = 16  # after this many steps in a row with guesses left unchecked, one step checks one more
 
 
 @dataclass
@@ -117,6 +119,7 @@ class EngineCore:
         self.speculative_tokens = cfg.speculative_tokens
         self.num_proposed = 0
         self.num_accepted = 0
+        self._trimmed_steps = 0  # steps in a row whose guesses the cost model trimmed
 
     # ---- requests ------------------------------------------------------------------------------------------
 
@@ -228,8 +231,13 @@ class EngineCore:
         return batch
 
     def _propose(self) -> None:
-        """Guess the next tokens of every sequence that speculates and is about to sample (`engine.speculation`)."""
+        """Guess the next tokens of every sequence that speculates and is about to sample (`engine.speculation`),
+        then keep the guesses worth their rows in this step."""
+        base = 0
+        chances: list[tuple[float, Sequence]] = []
         for seq in self.scheduler.running:
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            base += remaining
             spec = seq.speculation
             if spec is None:
                 k = seq.params.speculative_tokens
@@ -237,12 +245,27 @@ class EngineCore:
                 if k <= 0 or seq.prefill_only:
                     continue
                 spec = seq.speculation = Speculation(k)
-            if len(seq.token_ids) - seq.num_computed_tokens != 1:
+            if remaining != 1:
                 continue
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
             draft = spec.propose(seq.token_ids, room)
             if draft and seq.grammar is not None:
                 del draft[seq.grammar.valid_prefix(draft) :]
+            chances.extend((spec.acceptance ** (j + 1), seq) for j in range(len(draft)))
+        if not chances:
+            return
+        chances.sort(key=lambda c: -c[0])
+        keep = worth_checking(base, [c for c, _ in chances], self.runner.step_cost)
+        self._trimmed_steps = self._trimmed_steps + 1 if keep < len(chances) else 0
+        if self._trimmed_steps >= RECHECK_EVERY:  # a cost measured in a busy moment must not stop speculation:
+            keep, self._trimmed_steps = keep + 1, 0  # one more row now and then measures that step size again
+        if self.runner.invariant_rows is not None:  # past it the kernels sum a row in another order than alone
+            keep = min(keep, max(0, self.runner.invariant_rows - base))
+        kept: dict[Sequence, int] = {}
+        for _, seq in chances[:keep]:
+            kept[seq] = kept.get(seq, 0) + 1
+        for _, seq in chances[keep:]:
+            del seq.draft[kept.get(seq, 0) :]
 
     def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> list[Samples]:
         """The forward and the sampling (the part that may run on another thread)."""

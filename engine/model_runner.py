@@ -6,6 +6,7 @@ Owns the model weights, the paged KV cache tensor and the attention backend of o
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from pdserve.engine.model_store import cache_dir, gguf_source, resolve_model
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SampleOutput
 from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.speculation import StepCost
 from pdserve.kernels import cpu_decoder_layer, cpu_elementwise, cpu_isa, quant_linear
 from pdserve.kernels.kv_layout import KVLayout
 
@@ -59,6 +61,15 @@ class ModelRunner:
         self.kv_cache = zeros_in_huge_pages(layout.shape, layout.torch_dtype) if cpu else layout.allocate(self.device)
         self.backend = select_backend(attention_backend, self.device, layout.block_size, layout.torch_dtype)
         self.sampler = Sampler(self.config.vocab_size, self.config.eos_token_ids)
+        self.step_cost = StepCost()  # what decode steps took by their rows: what a guess row costs here
+        self.invariant_rows = self._invariant_rows()
+
+    def _invariant_rows(self) -> int | None:
+        """The most rows a step may have with each row's logits those it gets alone, by the C linear kernels this
+        model runs (`QuantLinear.invariant_rows`); None where torch runs every linear (no bound is claimed: the
+        tests check fp32 against itself with and without guesses)."""
+        rows = [m.invariant_rows for m in self.model.modules() if isinstance(m, quant_linear.QuantLinear)]
+        return min(rows) if rows else None
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, model: LlamaForCausalLM | None = None) -> ModelRunner:
@@ -204,11 +215,13 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> list[Samples]:
         """Run the batch; per sequence, what it samples (`Samples`)."""
+        start = time.perf_counter()
         inputs = self.prepare(batch)
         logits = self.forward(inputs, layer_hook)
         out: list[Samples] = [None] * len(batch.seqs)
         if not inputs.sample_rows:
             return out
+        decode_shape = len(inputs.sample_rows) == len(inputs.input_ids)  # every row one token, every row sampled
         # row j of a speculating sequence samples as if its first j guesses were already its tokens
         tokens: list[list[int]] = []
         grammars: list[GrammarState | None] = []
@@ -234,4 +247,6 @@ class ModelRunner:
                 ended.add(i)  # a failed row past the first ends the run: it is computed again next step
             else:
                 picked.append(sample)
+        if decode_shape:
+            self.step_cost.observe(len(inputs.sample_rows), time.perf_counter() - start)
         return out

@@ -13,11 +13,14 @@ from pdserve.engine.errors import InvalidParameter
 from pdserve.engine.grammar import Constraint
 from pdserve.engine.model_store import resolve_model
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.speculation import MAX_SPECULATIVE_TOKENS, NgramIndex, Speculation, kept_prefix
+from pdserve.engine.speculation import MAX_SPECULATIVE_TOKENS, NgramIndex, Speculation, StepCost, worth_checking
 
 
 def _engine(path, **kw) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(path), **kw))
+    """Every guess proposed is checked (no step costs are recorded): tests check tokens, never timings."""
+    engine = EngineCore(EngineConfig(model=str(path), **kw))
+    engine.runner.step_cost.observe = lambda rows, seconds: None  # type: ignore[method-assign]
+    return engine
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -86,10 +89,28 @@ def test_guesses_adapt_to_what_is_kept():
     spec.settle(0)
     assert spec.k == 1
     spec.settle(0)  # no guesses: nothing counted, nothing changed
-    assert (spec.proposed, spec.accepted, spec.k) == (17, 10, 1)
-    assert kept_prefix([5, 6, 7], [5, 6, 1, 2]) == 2
-    assert kept_prefix([5, 6], [5, 6, 7]) == 2
-    assert kept_prefix([], [3]) == 0
+    assert (spec.proposed, spec.accepted, spec.refused, spec.k) == (17, 10, 2, 1)
+    assert spec.acceptance == pytest.approx(11 / 14)
+
+
+def test_a_step_checks_the_guesses_worth_their_rows():
+    cost = StepCost()
+    assert cost.estimate(4) is None
+    assert worth_checking(1, [0.9, 0.5, 0.1], cost) == 3  # nothing measured: check them all
+    for rows, ms in ((1, 10.0), (2, 10.2), (4, 10.6), (8, 14.0), (16, 25.0)):
+        cost.observe(rows, ms / 1e3)
+    assert cost.estimate(3) == pytest.approx(10.4e-3)  # between two measured
+    assert cost.estimate(40) == pytest.approx(25e-3)  # past them: as the largest, until a step that big runs
+    moving = StepCost()
+    moving.observe(1, 10e-3)
+    moving.observe(1, 20e-3)
+    assert moving.estimate(1) == pytest.approx(12e-3)
+    # one sequence: cheap rows, every likely guess pays; a guess almost never kept does not
+    assert worth_checking(1, [0.9, 0.81, 0.73], cost) == 3
+    assert worth_checking(1, [0.01], cost) == 0
+    # eight sequences fill the cheap rows: only guesses nearly sure to be kept are worth a dearer step
+    assert worth_checking(8, [0.3] * 8, cost) == 0
+    assert worth_checking(8, [0.99] * 8, cost) == 8
 
 
 def test_speculative_tokens_is_checked():
@@ -295,3 +316,24 @@ def test_a_grammar_masks_each_guess_row_from_the_state_after_the_guesses_before(
             seqs.append(seq)
         assert seqs[1].output_ids == seqs[0].output_ids
         assert seqs[1].speculation is not None and seqs[1].speculation.accepted > 0
+
+
+def test_steps_stay_within_the_rows_the_kernels_vouch_for(monkeypatch):
+    """On an AVX2 core the bf16 kernels sum a row in one order up to 7 rows (then block-wise): a step takes only the
+    guesses that keep it within them, so the greedy tokens stay those of one-row steps there too."""
+    from pdserve.kernels import cpu_isa
+
+    monkeypatch.setenv(cpu_isa.ENV, "avx2")
+    path = resolve_model("default")
+    plain_engine = _engine(path, dtype="bfloat16")
+    spec_engine = _engine(path, dtype="bfloat16", speculative_tokens=8)
+    assert spec_engine.runner.invariant_rows == 7
+    prompt = _chat(path, COPY)
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    seq = spec_engine.add_request(prompt, params)
+    while spec_engine.has_work:
+        batch = spec_engine.schedule()
+        assert len(batch.seqs) == 1 and (batch.num_tokens <= 7 or not seq.draft)
+        spec_engine.update(batch, spec_engine.execute(batch))
+    assert seq.output_ids == _run(plain_engine, [prompt], params)[0][0]
+    assert spec_engine.num_accepted >= 8
