@@ -316,17 +316,21 @@ static void panel_rows8(const float *p, int64_t K, const float *x, int64_t ldx, 
 
 /* One group for any number of rows: acc[rows][16]. Every tile keeps two accumulators a column (even and odd k),
  * so a row's sums run in one order whatever the number of rows beside it (speculative decoding checks guesses as
- * rows of one step and must pick what a one-row step picks): one or two rows take both column halves at once;
- * more go in tiles as even as they go of at most 6 rows, a column half at a time (6 rows x 2 accumulators fill 12
- * registers). */
+ * rows of one step and must pick what a one-row step picks). Up to 4 rows go in tiles of 2 taking both column
+ * halves at once; more in tiles as even as they go of at most 6 rows, a column half at a time (6 rows x 2
+ * accumulators fill 12 registers). Under the AVX2 cap on a Zen 4 (alternated runs) the built-in model's decode
+ * steps of 3-7 rows measured within run-to-run noise of the one-accumulator tiles this replaced (a cap: an AVX2 core
+ * was not at hand). */
 static inline __attribute__((always_inline)) void group8_fmt(const int fmt, const uint8_t *blk, int64_t bb,
                                                              int64_t nb, const float *x, int64_t ldx, int rows,
                                                              int64_t K, float *acc) {
-    if (rows <= 2) {
-        if (rows == 1)
-            tile8(fmt, blk, bb, nb, x, ldx, 1, 2, 2, 0, K, acc);
-        else
-            tile8(fmt, blk, bb, nb, x, ldx, 2, 2, 2, 0, K, acc);
+    if (rows <= 4) {
+        for (int r0 = 0; r0 < rows; r0 += 2) {
+            if (rows - r0 == 1)
+                tile8(fmt, blk, bb, nb, x + r0 * ldx, ldx, 1, 2, 2, 0, K, acc + r0 * G);
+            else
+                tile8(fmt, blk, bb, nb, x + r0 * ldx, ldx, 2, 2, 2, 0, K, acc + r0 * G);
+        }
         return;
     }
     const int tiles = (rows + 5) / 6;
