@@ -246,6 +246,24 @@ async def test_a_constrained_stream_moved_by_kill_stays_valid(stack):
     _restart(stack, victim)
 
 
+async def test_a_speculating_stream_moved_by_kill_carries_only_kept_tokens(stack):
+    """Seeded streams that speculate (speculative_tokens 6), the busiest decode worker killed: guesses never enter a
+    sequence's tokens, so what moves is only what was kept, and every answer equals its unbroken run without
+    speculation, draw for draw."""
+    reference = await _reference(stack.gateway, True)
+    before = _migrations(stack)
+    streams = _Streams(stack.gateway, True, {"speculative_tokens": 6})
+    await streams.started()
+    victim = _busiest(stack)
+    _proc(stack, victim).send_signal(signal.SIGKILL)
+    results = await streams.results()
+    _exact(results, reference)
+    assert _migrations(stack) - before >= 1
+    survivor = next(a for a in stack.decode if a != victim)
+    await _idle(stack, survivor)
+    _restart(stack, victim)
+
+
 async def test_a_rolling_restart_of_every_decode_worker_fails_nothing(stack):
     """SIGTERM each decode worker in turn under load (it drains: no grace here, so it hands back every stream
     at once), start it again, go on to the next: every stream finishes, exact."""
