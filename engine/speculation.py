@@ -111,8 +111,9 @@ class StepCost:
         self._seconds[rows] = seconds if old is None else old + self._weight * (seconds - old)
 
     def estimate(self, rows: int) -> float | None:
-        """Seconds for a step of `rows` rows; None while no step has been measured."""
-        known = self._seconds
+        """Seconds for a step of `rows` rows; None while no step has been measured. Safe beside `observe` on another
+        thread (it reads a copy)."""
+        known = dict(self._seconds)
         if rows in known:
             return known[rows]
         below = max((r for r in known if r < rows), default=None)
