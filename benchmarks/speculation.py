@@ -126,14 +126,14 @@ def _counters(metrics_port: int) -> tuple[float, float]:
     )
 
 
-def served(model: str, dtype: str, k: int, rounds: int, c1: bool = True) -> list[str]:
+def served(model: str, dtype: str, k: int, rounds: int, c1: bool = True, quantization: str = "none") -> list[str]:
     from pdserve.benchmarks.compare import free_port, pdserve_up
 
     lines = []
     metrics = free_port()  # the gateway's; the colocated worker's is the next
     log = Path(tempfile.mkdtemp()) / "up.log"
     sets = {"copy-heavy": copy_prompts(), "nothing to copy": NO_COPY}
-    with pdserve_up(log, dtype, "none", colocated=True, model=model, metrics_port=metrics) as (address, _):
+    with pdserve_up(log, dtype, quantization, colocated=True, model=model, metrics_port=metrics) as (address, _):
         for name, prompts in sets.items():
             for temperature in (0.0, 0.8) if c1 else ():
                 one = asyncio.run(_c1(address, prompts, k, rounds, temperature))
@@ -157,12 +157,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--k", type=int, default=8, help="speculative_tokens of the requests that speculate")
     ap.add_argument("--rounds", type=int, default=3, help="passes over each prompt set per point")
+    ap.add_argument("--quantization", default="none", help="the worker's --quantization (gguf: the file's blocks)")
     ap.add_argument("--c8-only", action="store_true", help="skip the c=1 points")
     args = ap.parse_args()
     flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     isa = " ".join(f for f in flags.split() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
     print(f"CPU flags: {isa}")
-    for line in served(args.model, args.dtype, args.k, args.rounds, not args.c8_only):
+    for line in served(args.model, args.dtype, args.k, args.rounds, not args.c8_only, args.quantization):
         print(line, flush=True)
 
 
