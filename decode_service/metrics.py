@@ -7,7 +7,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.engine.engine_core import EngineStats
-from pdserve.metric_families import LatencyMetrics, TransferMetrics, request_counter
+from pdserve.metric_families import GrammarMetrics, LatencyMetrics, TransferMetrics, request_counter
 from pdserve.metrics_server import BATCH_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 
 
@@ -56,6 +56,7 @@ class DecodeMetrics:
             registry=r,
         )
         self.transfer = TransferMetrics(sent=False, registry=r)
+        self.grammar = GrammarMetrics("decode", r)
         self.running = Gauge("pdserve_decode_requests_running", "Sequences in the running batch.", registry=r)
         self.waiting = Gauge("pdserve_decode_requests_waiting", "Requests waiting for blocks or prefill.", registry=r)
         self.kv_blocks = Gauge("pdserve_decode_kv_blocks", "KV blocks by state.", ["state"], registry=r)
@@ -68,3 +69,4 @@ class DecodeMetrics:
         self.kv_blocks.labels("used").set_function(lambda: stats().kv_blocks_used)
         self.kv_blocks.labels("free").set_function(lambda: (s := stats()).kv_blocks_total - s.kv_blocks_used)
         self.kv_usage.set_function(lambda: (s := stats()).kv_blocks_used / s.kv_blocks_total)
+        self.grammar.bind(stats)

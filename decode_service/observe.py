@@ -48,6 +48,7 @@ class RequestWatch:
                     "pdserve.request_id": self.seq.request_id,
                     "pdserve.prompt_tokens": self.seq.num_prompt_tokens,
                     "pdserve.prefill": self.prefill,
+                    **({"pdserve.constraint": c.kind} if (c := self.seq.params.constraint) is not None else {}),
                 }
             )
             yield

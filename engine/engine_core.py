@@ -88,6 +88,9 @@ class EngineStats:
     preemptions_total: int
     speculative_proposed_total: int = 0  # tokens guessed by prompt lookup and checked
     speculative_accepted_total: int = 0  # of those, kept
+    grammar_compiles_total: int = 0  # constraints compiled here (not found among the recently compiled)
+    grammar_cache_hits_total: int = 0  # constrained requests that started from a recently compiled constraint
+    grammar_compile_seconds_total: float = 0.0
 
 
 class EngineCore:
@@ -362,6 +365,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         """Safe to call from another thread (a metrics scrape): it copies the queues before reading them."""
         sched, alloc = self.scheduler, self.allocator
+        g = self._grammars  # not the property: a scrape must not build the compiler
         return EngineStats(
             kv_blocks_total=alloc.num_blocks,
             kv_blocks_used=alloc.num_used_blocks,
@@ -379,6 +383,9 @@ class EngineCore:
             preemptions_total=self.num_preemptions,
             speculative_proposed_total=self.num_proposed,
             speculative_accepted_total=self.num_accepted,
+            grammar_compiles_total=g.compiles if g else 0,
+            grammar_cache_hits_total=g.hits if g else 0,
+            grammar_compile_seconds_total=g.compile_seconds if g else 0.0,
         )
 
     def pending_chunks(self) -> list[tuple[int, int]]:

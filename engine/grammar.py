@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -153,7 +154,9 @@ class Grammars:
         self._compiled: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
         self._capacity = capacity
         self._lock = threading.Lock()
-        self.compiles = 0
+        self.compiles = 0  # constraints compiled (cache misses that compiled, failures included)
+        self.hits = 0  # requests that started from a compiled constraint in the cache
+        self.compile_seconds = 0.0
 
     def state(self, constraint: Constraint, generated: Sequence[int] = ()) -> GrammarState:
         """A fresh state for `constraint` that has taken the `generated` tokens (a sequence computed elsewhere, or
@@ -162,12 +165,16 @@ class Grammars:
             compiled = self._compiled.get(constraint)
             if compiled is not None:
                 self._compiled.move_to_end(constraint)
+                self.hits += 1
         if compiled is None:
+            t0 = time.perf_counter()
             compiled = llguidance.LLMatcher(self._tokenizer, constraint.grammar(), log_level=0)
+            with self._lock:
+                self.compiles += 1
+                self.compile_seconds += time.perf_counter() - t0
             if compiled.is_error():
                 raise InvalidParameter("constraint", f"constraint: {_one_line(compiled.get_error())}")
             with self._lock:
-                self.compiles += 1
                 self._compiled[constraint] = compiled
                 while len(self._compiled) > self._capacity:
                     self._compiled.popitem(last=False)

@@ -1,14 +1,23 @@
 """The metrics more than one service declares, declared once: request latency as a client sees it (the gateway and
-the decode workers), KV transfers (sent by prefill workers, received by decode workers), and finished requests by
-their failure-table label. Each service keeps its own names, so dashboards and queries stay as they are."""
+the decode workers), KV transfers (sent by prefill workers, received by decode workers), finished requests by
+their failure-table label, and the grammar compiler both workers run. Each service keeps its own names, so
+dashboards and queries stay as they are."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from pdserve.failures import OK
 from pdserve.kvtransfer.stats import TransferStats
 from pdserve.metrics_server import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
+
+if TYPE_CHECKING:  # the gateway imports this module and must not import the engine (torch)
+    from pdserve.engine.engine_core import EngineStats
 
 
 class LatencyMetrics:
@@ -62,3 +71,35 @@ def request_counter(service: str, what: str, registry: CollectorRegistry) -> Cou
     counter = Counter(f"pdserve_{service}_requests", what, ["status"], registry=registry)
     counter.labels(OK)
     return counter
+
+
+class GrammarMetrics(Collector):
+    """`pdserve_<service>_grammar_*`: constraints compiled, requests that found theirs compiled, seconds compiling.
+    Read from the engine's stats at scrape time (the compiler counts; nothing on the request path updates these)."""
+
+    def __init__(self, service: str, registry: CollectorRegistry) -> None:
+        self._prefix = f"pdserve_{service}_grammar"
+        self._stats: Callable[[], EngineStats] | None = None
+        registry.register(self)
+
+    def bind(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        s = self._stats() if self._stats is not None else None
+        p = self._prefix
+        yield CounterMetricFamily(
+            f"{p}_compiles",
+            "Constraints (JSON schemas, regexes, grammars) compiled: not among the recently compiled.",
+            value=s.grammar_compiles_total if s else 0,
+        )
+        yield CounterMetricFamily(
+            f"{p}_cache_hits",
+            "Constrained requests that started from a recently compiled constraint (a copy, no compile).",
+            value=s.grammar_cache_hits_total if s else 0,
+        )
+        yield CounterMetricFamily(
+            f"{p}_compile_seconds",
+            "Seconds spent compiling constraints (off the model thread).",
+            value=s.grammar_compile_seconds_total if s else 0.0,
+        )

@@ -26,6 +26,12 @@ from pdserve.wire import PrefillJob, PrefillResult
 request_log = logging.getLogger(REQUEST_LOGGER)
 
 
+def _constraint(seq: Sequence) -> dict[str, str]:
+    """The span attribute of a constrained request: the kind of its constraint (json_schema, regex, lark)."""
+    c = seq.params.constraint
+    return {"pdserve.constraint": c.kind} if c is not None else {}
+
+
 class JobWatch:
     """One prompt's spans and timings."""
 
@@ -63,6 +69,7 @@ class JobWatch:
                 "pdserve.computed_tokens": len(seq.token_ids) - seq.num_cached_tokens,
                 "pdserve.steps": self.steps,
                 "pdserve.last_batch_tokens": batch.num_tokens,
+                **_constraint(seq),
             },
         ).end(end_time=end_ns)
 

@@ -156,9 +156,12 @@ def test_tokens_that_break_the_grammar_are_refused(model_dir, tokenizer) -> None
     grammars = Grammars(model_dir / "tokenizer.json", 49152, (2,))
     with pytest.raises(InvalidParameter, match="breaks the constraint"):
         grammars.state(Constraint("regex", "[0-9]+"), tokenizer.encode("12a"))
-    before = grammars.compiles
+    assert (grammars.compiles, grammars.hits) == (1, 0) and grammars.compile_seconds > 0
     grammars.state(Constraint("regex", "[0-9]+"), tokenizer.encode("12"))
-    assert grammars.compiles == before  # compiled once, copied since
+    assert (grammars.compiles, grammars.hits) == (1, 1)  # compiled once, copied since
+    with pytest.raises(InvalidParameter):
+        grammars.state(Constraint("regex", "[0-9"))
+    assert (grammars.compiles, grammars.hits) == (2, 1)  # a failed compile counts, and is not cached
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))

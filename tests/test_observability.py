@@ -358,3 +358,36 @@ async def test_http_spans_carry_the_semantic_convention_attributes(observed_stac
         assert sp.attributes["http.request.method"] == "POST" and sp.attributes["http.route"] == "/v1/completions"
         assert sp.attributes["url.path"] == "/v1/completions"
     assert by_status[400].attributes["error.type"] == "400" and "error.type" not in by_status[200].attributes
+
+
+def test_constrained_requests_name_their_constraint_on_their_spans():
+    """decode.admit and prefill.forward carry pdserve.constraint (the kind) for a constrained request only."""
+    import time
+
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pdserve.decode_service.observe import DecodeObserver
+    from pdserve.engine.grammar import Constraint
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.scheduler import ScheduledBatch
+    from pdserve.engine.sequence import Sequence
+    from pdserve.prefill_service.observe import PrefillObserver
+    from pdserve.wire import PrefillJob
+
+    exporter = InMemorySpanExporter()
+    tracing = Tracing("spans", exporter=exporter)
+    decode, prefill = DecodeObserver(tracing.tracer), PrefillObserver(tracing.tracer)
+    for rid, constraint in (("free", None), ("schema", Constraint("json_schema", '{"type": "object"}'))):
+        params = SamplingParams(constraint=constraint)
+        with decode.request(Sequence(rid, [1, 2, 3], params), "").admitting():
+            pass
+        job = PrefillJob(rid, [1, 2, 3], 3, params, "127.0.0.1:1", "fp", rid, "secret")
+        now = time.time_ns()
+        prefill.job(job).stepped(Sequence(rid, [1, 2, 3], params), ScheduledBatch(), now, now + 1000, last=True)
+    tracing.shutdown()
+    spans = exporter.get_finished_spans()
+    admitted = {s.attributes["pdserve.request_id"]: s for s in spans if s.name == "decode.admit"}
+    assert "pdserve.constraint" not in admitted["free"].attributes
+    assert admitted["schema"].attributes["pdserve.constraint"] == "json_schema"
+    forward = [s for s in spans if s.name == "prefill.forward"]
+    assert [s.attributes.get("pdserve.constraint") for s in forward] == [None, "json_schema"]

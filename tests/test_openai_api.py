@@ -245,6 +245,7 @@ async def test_json_schema_answers_validate_through_the_official_client(stack):
     fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": WEATHER, "strict": True}}
     messages = [{"role": "user", "content": "The weather in Paris for three days, as JSON."}]
     answers = []
+    before = _grammar_counts(stack)
     for sampling in ({"temperature": 0}, {"temperature": 0.8, "seed": 1}, {"temperature": 0.8, "seed": 2}):
         chat = await client.chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=messages, max_tokens=200, response_format=fmt, **sampling
@@ -264,6 +265,11 @@ async def test_json_schema_answers_validate_through_the_official_client(stack):
         assert "".join(pieces) == text  # the same draws streamed
         answers.append(text)
     assert len(set(answers)) > 1
+    after = _grammar_counts(stack)
+    for role in ("prefill", "decode"):  # six requests, one schema: compiled at most once per worker, then copied
+        compiled, hits = (after[role][i] - before[role][i] for i in (0, 1))
+        assert compiled <= 1 and compiled + hits == 6, (role, before, after)
+        assert after[role][2] > 0  # seconds spent compiling
     mode = await client.chat.completions.create(
         model="SmolLM2-135M-Instruct",
         messages=[{"role": "user", "content": "Ada is 36. Her name and age as a JSON object."}],
@@ -390,6 +396,18 @@ async def test_tool_calls_through_the_official_client(stack):
         assert all(c.function.name in params for c in answer.message.tool_calls)
     else:
         assert answer.message.content and not answer.message.tool_calls
+
+
+def _grammar_counts(stack) -> dict[str, tuple[float, float, float]]:
+    """Each worker's grammar compiles, cache hits and compile seconds, from its /metrics page."""
+    counts = {}
+    for role in ("prefill", "decode"):
+        page = scrape(stack.metrics[role])
+        counts[role] = tuple(  # type: ignore[assignment]
+            page.get((f"pdserve_{role}_grammar_{name}_total", frozenset()), 0.0)
+            for name in ("compiles", "cache_hits", "compile_seconds")
+        )
+    return counts
 
 
 def _speculated(stack) -> tuple[float, float]:
