@@ -110,17 +110,17 @@ async def _c8(address: str, prompts: list[str], k: int, rounds: int) -> dict[int
         for r in range(rounds):
             for side in (0, k) if r % 2 == 0 else (k, 0):
                 todo = list(range(CLOSED_LOOP_REQUESTS))
-                produced = 0
 
-                async def worker(side: int = side, todo: list[int] = todo) -> None:
-                    nonlocal produced
+                async def client_loop(side: int = side, todo: list[int] = todo) -> int:
+                    produced = 0
                     while todo:
                         i = todo.pop()
                         tokens, _, _ = await _one(client, prompts[i % len(prompts)], side, 0.0, i)
                         produced += len(tokens)
+                    return produced
 
                 start = time.perf_counter()
-                await asyncio.gather(*(worker() for _ in range(8)))
+                produced = sum(await asyncio.gather(*(client_loop() for _ in range(8))))
                 rates[side].append(produced / (time.perf_counter() - start))
     return rates
 

@@ -15,6 +15,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from pdserve.decode_service.metrics import DecodeMetrics
+from pdserve.engine.grammar import constraint_attributes
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 from pdserve.failures import outcome
@@ -48,7 +49,7 @@ class RequestWatch:
                     "pdserve.request_id": self.seq.request_id,
                     "pdserve.prompt_tokens": self.seq.num_prompt_tokens,
                     "pdserve.prefill": self.prefill,
-                    **({"pdserve.constraint": c.kind} if (c := self.seq.params.constraint) is not None else {}),
+                    **constraint_attributes(self.seq.params.constraint),
                 }
             )
             yield

@@ -144,6 +144,11 @@ class GrammarState:
         return str(self._matcher.get_error())
 
 
+def constraint_attributes(constraint: Constraint | None) -> dict[str, str]:
+    """A constrained request's span attribute: the kind of its constraint (json_schema, regex, lark)."""
+    return {"pdserve.constraint": constraint.kind} if constraint is not None else {}
+
+
 class Grammars:
     """Compiles constraints against one tokenizer and keeps the last `capacity` compiled: a request with a
     schema seen before starts from a copy of its compiled matcher. Thread-safe (compiles run off the event loop)."""
@@ -172,12 +177,12 @@ class Grammars:
             with self._lock:
                 self.compiles += 1
                 self.compile_seconds += time.perf_counter() - t0
+                if not compiled.is_error():
+                    self._compiled[constraint] = compiled
+                    while len(self._compiled) > self._capacity:
+                        self._compiled.popitem(last=False)
             if compiled.is_error():
                 raise InvalidParameter("constraint", f"constraint: {_one_line(compiled.get_error())}")
-            with self._lock:
-                self._compiled[constraint] = compiled
-                while len(self._compiled) > self._capacity:
-                    self._compiled.popitem(last=False)
         state = GrammarState(compiled.deep_copy(), self.words)
         for n, token in enumerate(generated):
             if not state.accept(token):

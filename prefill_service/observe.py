@@ -14,6 +14,7 @@ from collections.abc import Callable
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from pdserve.engine.grammar import constraint_attributes
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.sequence import Sequence
 from pdserve.failures import outcome
@@ -24,12 +25,6 @@ from pdserve.tracing import inject, trace_id
 from pdserve.wire import PrefillJob, PrefillResult
 
 request_log = logging.getLogger(REQUEST_LOGGER)
-
-
-def _constraint(seq: Sequence) -> dict[str, str]:
-    """The span attribute of a constrained request: the kind of its constraint (json_schema, regex, lark)."""
-    c = seq.params.constraint
-    return {"pdserve.constraint": c.kind} if c is not None else {}
 
 
 class JobWatch:
@@ -69,7 +64,7 @@ class JobWatch:
                 "pdserve.computed_tokens": len(seq.token_ids) - seq.num_cached_tokens,
                 "pdserve.steps": self.steps,
                 "pdserve.last_batch_tokens": batch.num_tokens,
-                **_constraint(seq),
+                **constraint_attributes(seq.params.constraint),
             },
         ).end(end_time=end_ns)
 
