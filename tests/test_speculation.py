@@ -287,6 +287,13 @@ COPY = (
 )
 
 
+def _room_for_guesses(engine: EngineCore, rows: int) -> bool:
+    """Whether the kernels vouch for a step of more than `rows` rows (a CPU level whose kernels vouch for one row,
+    the portable C path, checks no guesses and must still give the same tokens)."""
+    limit = engine.runner.invariant_rows
+    return limit is None or limit > rows
+
+
 def test_builtin_model_bf16_greedy_is_the_same_with_guesses_in_the_step(builtin):
     """The bf16 kernels sum a row the same way whatever rows share its step, so the C layer stack picks the same
     greedy tokens for a guess checked beside others as for a one-row step."""
@@ -296,7 +303,8 @@ def test_builtin_model_bf16_greedy_is_the_same_with_guesses_in_the_step(builtin)
     plain = _run(engines[0], prompts, params)
     before = engines[6].num_accepted
     assert _run(engines[6], prompts, params) == plain
-    assert engines[6].num_accepted - before >= 16
+    if _room_for_guesses(engines[6], len(prompts)):
+        assert engines[6].num_accepted - before >= 16
 
 
 def test_a_grammar_masks_each_guess_row_from_the_state_after_the_guesses_before(builtin):
@@ -315,7 +323,8 @@ def test_a_grammar_masks_each_guess_row_from_the_state_after_the_guesses_before(
                     assert out.error is None, out.error
             seqs.append(seq)
         assert seqs[1].output_ids == seqs[0].output_ids
-        assert seqs[1].speculation is not None and seqs[1].speculation.accepted > 0
+        if _room_for_guesses(engines[6], 1):
+            assert seqs[1].speculation is not None and seqs[1].speculation.accepted > 0
 
 
 def test_steps_stay_within_the_rows_the_kernels_vouch_for(monkeypatch):
