@@ -25,6 +25,8 @@ guesses that maximise expected tokens per second: guess j of a sequence is kept 
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -98,22 +100,29 @@ class Speculation:
 
 
 class StepCost:
-    """What a decode step (one token per row) costs by its number of rows on this machine: a moving average per row
-    count, filled in by the steps that run. Row counts not measured yet read as the nearest measured below them
-    (so that a larger step gets tried, and then is known) or interpolate between two measured ones."""
+    """What a decode step (one token per row) costs by its number of rows on this machine: the least of the last
+    `window` steps of each row count, filled in by the steps that run. Row counts not measured yet read as the nearest
+    measured below them (so that a larger step gets tried, and then is known) or interpolate between two measured
+    ones.
 
-    def __init__(self, weight: float = 0.2) -> None:
-        self._seconds: dict[int, float] = {}
-        self._weight = weight
+    The least, not an average: a step slowed by a neighbour says nothing about what the rows cost, and a row count
+    the estimate makes look dear is seldom run again, so a slow outlier would stick. A low estimate corrects itself
+    (that step size runs and is measured), and a machine that stays busier replaces the window within `window`
+    steps."""
+
+    def __init__(self, window: int = 8) -> None:
+        self._seconds: dict[int, deque[float]] = {}
+        self._window = window
+        self._lock = threading.Lock()  # the model thread observes while the scheduler estimates
 
     def observe(self, rows: int, seconds: float) -> None:
-        old = self._seconds.get(rows)
-        self._seconds[rows] = seconds if old is None else old + self._weight * (seconds - old)
+        with self._lock:
+            self._seconds.setdefault(rows, deque(maxlen=self._window)).append(seconds)
 
     def estimate(self, rows: int) -> float | None:
-        """Seconds for a step of `rows` rows; None while no step has been measured. Safe beside `observe` on another
-        thread (it reads a copy)."""
-        known = dict(self._seconds)
+        """Seconds for a step of `rows` rows; None while no step has been measured."""
+        with self._lock:
+            known = {r: min(seen) for r, seen in self._seconds.items()}
         if rows in known:
             return known[rows]
         below = max((r for r in known if r < rows), default=None)

@@ -50,18 +50,25 @@ async def test_concurrent_greedy_requests_match_transformers(stack, hf_model, to
     stack.wait_idle()
 
 
+COPY = (
+    "Copy this list exactly: apples, pears, plums, cherries, apples, pears, plums, cherries, apples, pears, plums, "
+    "cherries, apples, pears, plums, cherries."
+)
+
+
 async def test_the_decode_worker_speculates_on_repeated_text(stack, hf_model, tokenizer):
     """A prompt the answer copies from: guesses are kept, the tokens stay transformers' greedy ones, and a request
-    that turns speculation off (speculative_tokens 0) is served beside it with its own tokens."""
-    prompt = "List: " + "alpha beta gamma delta epsilon, " * 8
-    ids = tokenizer.encode(prompt)
-    want = until_eos(hf_greedy(hf_model, ids, 40))
+    that turns speculation off (speculative_tokens 0) is served beside it with its own tokens. Guesses get checked
+    however dear a busy machine makes the step cost look: the engine checks one after 16 steps that trimmed them all,
+    and this answer has dozens of steps with guesses."""
+    messages = [{"role": "user", "content": COPY}]
+    want = until_eos(hf_greedy(hf_model, tokenizer.apply_chat_template(messages), 64))
     page = scrape(stack.metrics["decode"])
     before = page.get(("pdserve_decode_speculative_accepted_tokens_total", frozenset()), 0.0)
     async with Client(stack.gateway) as client:
         on, off = await asyncio.gather(
-            client.complete(prompt=prompt, max_tokens=40, temperature=0.0),
-            client.complete(prompt=prompt, max_tokens=40, temperature=0.0, speculative_tokens=0),
+            client.complete(messages=messages, max_tokens=64, temperature=0.0),
+            client.complete(messages=messages, max_tokens=64, temperature=0.0, speculative_tokens=0),
         )
     assert on.token_ids == want and off.token_ids == want
     page = scrape(stack.metrics["decode"])

@@ -101,10 +101,13 @@ def test_a_step_checks_the_guesses_worth_their_rows():
         cost.observe(rows, ms / 1e3)
     assert cost.estimate(3) == pytest.approx(10.4e-3)  # between two measured
     assert cost.estimate(40) == pytest.approx(25e-3)  # past them: as the largest, until a step that big runs
-    moving = StepCost()
-    moving.observe(1, 10e-3)
-    moving.observe(1, 20e-3)
-    assert moving.estimate(1) == pytest.approx(12e-3)
+    busy = StepCost(window=4)
+    busy.observe(1, 10e-3)
+    busy.observe(1, 40e-3)  # a neighbour slowed this step: the rows cost what the fast one showed
+    assert busy.estimate(1) == pytest.approx(10e-3)
+    for _ in range(4):
+        busy.observe(1, 20e-3)  # the machine stays busier: the window holds only the new cost
+    assert busy.estimate(1) == pytest.approx(20e-3)
     # one sequence: cheap rows, every likely guess pays; a guess almost never kept does not
     assert worth_checking(1, [0.9, 0.81, 0.73], cost) == 3
     assert worth_checking(1, [0.01], cost) == 0
