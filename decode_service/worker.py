@@ -255,7 +255,8 @@ class DecodeWorker:
         seq = req.seq
         self.remote_prefills_total += 1
         transfer_id, secret = uuid.uuid4().hex, secrets.token_hex(16)
-        arrived = self.receiver.expect(transfer_id, seq.block_ids, secret)
+        held = seq.num_computed_tokens // self.core.layout.block_size  # the reservation's prefix-cache hits
+        arrived = self.receiver.expect(transfer_id, seq.block_ids[held:], secret)
         job = PrefillJob(
             seq.request_id,
             list(seq.token_ids),
@@ -269,6 +270,7 @@ class DecodeWorker:
             # not an expiry, so the gateway retries elsewhere at once and the prompt is computed only once
             start_within=START_WITHIN * self.receiver.timeout,
             may_refuse=may_refuse,
+            skip_blocks=held,
         )
         call = asyncio.ensure_future(self.call_prefill(address, job))
         try:

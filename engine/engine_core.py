@@ -204,10 +204,9 @@ class EngineCore:
         if seq.grammar is not None and not seq.grammar.accept(token_id):
             raise SamplingError(f"the first token ({token_id}) breaks the request's constraint")
         seq.append(token_id, self.model_config.eos_token_ids, self.max_model_len)
+        self.scheduler.land(seq)  # its prompt's blocks join the prefix cache even when that token ended it
         if seq.finish_reason is not None:
             self.scheduler.finish(seq, seq.finish_reason)
-        else:
-            self.scheduler.land(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Stop a sequence (if it still runs) and free its blocks; a sequence in the forward in flight is

@@ -108,18 +108,25 @@ class Scheduler:
         return granted
 
     def land(self, seq: Sequence) -> None:
-        """Its KV has landed (every token but the last): the sequence joins the running batch."""
+        """Its KV has landed (every token but the last): the sequence joins the running batch, and its full blocks
+        join the prefix cache, so that the next request for the same prompt (another choice of it) is sent only the
+        blocks after them."""
         del self.awaiting_kv[seq]
         seq.num_computed_tokens = len(seq.token_ids) - 1
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self.allocator.cache_blocks(seq.block_ids, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
 
     def _can_grant(self, seq: Sequence) -> bool:
         need = self.allocator.blocks_needed(len(seq.token_ids))
         return self.allocator.num_free_blocks - need >= self.watermark + len(self.running)
 
     def _take_reservation(self, seq: Sequence) -> None:
-        seq.block_ids = self.allocator.allocate(self.allocator.blocks_needed(len(seq.token_ids)))
+        """Blocks for every token of seq, the prompt's leading blocks from the prefix cache where it holds them:
+        seq.num_computed_tokens says how many tokens' KV its blocks hold already (the rest is to be sent)."""
+        alloc = self.allocator.allocate_prefix(seq.token_ids, len(seq.token_ids))
+        seq.block_ids, seq.block_hashes = alloc.block_ids, alloc.block_hashes
+        seq.num_computed_tokens = alloc.num_cached_tokens
         seq.status = SequenceStatus.AWAITING_KV
         self.awaiting_kv[seq] = None
 

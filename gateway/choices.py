@@ -4,8 +4,11 @@ Each choice runs as a request of its own through the request path (routing, migr
 as vLLM does it. The first choice runs alone until its first token: by then its prompt's KV blocks are in the prefix
 cache of the worker that computed them, and the KV-aware router sends the other choices there, so each of them
 computes only the prompt's last, partial block (`usage.prompt_tokens_details.cached_tokens` and the workers' prefix
-hit counters show it). A seeded request's choice i draws with seed + i: the choices differ, and the same seed
-repeats all of them. One choice's failure fails the request; leaving early cancels every choice.
+hit counters show it). The choices also share one decode worker (`DecodeAffinity`), which registered the prompt's
+blocks in its own prefix cache when they landed: the others reserve those blocks and are sent only the rest, so the
+prompt's KV crosses the network, and sits in the decode worker's cache, once. A seeded request's choice i draws
+with seed + i: the choices differ, and the same seed repeats all of them. One choice's failure fails the request;
+leaving early cancels every choice.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import contextlib
 import copy
 from collections.abc import AsyncIterator
 
-from pdserve.gateway.request import Delta, GenerationRequest
+from pdserve.gateway.request import DecodeAffinity, Delta, GenerationRequest
 from pdserve.gateway.request_path import RequestPath
 from pdserve.protos import common_pb2
 
@@ -25,8 +28,10 @@ def children(req: GenerationRequest, count: int) -> list[GenerationRequest]:
     if count == 1:
         return [req]
     out = []
+    affinity = DecodeAffinity()
     for i in range(count):
         child = copy.copy(req)
+        child.affinity = affinity
         child.request_id = f"{req.request_id}-{i}"
         child.sampling = common_pb2.SamplingParams()
         child.sampling.CopyFrom(req.sampling)

@@ -40,6 +40,15 @@ def invalid(param: str | None, message: str) -> RequestError:
 
 
 @dataclass
+class DecodeAffinity:
+    """Shared by the choices of one prompt (`choices.py`): the decode worker the first of them was routed to, where
+    the others go while it is up. It holds their prompt's KV in its prefix cache from the first one's first token,
+    so the others are sent (or compute) only the prompt's last, partial block."""
+
+    decode: str = ""
+
+
+@dataclass
 class GenerationRequest:
     """Exactly one of `prompt`, `messages`, `token_ids`. `sampling` is what the workers get (no stop strings);
     `stop` strings are applied here."""
@@ -54,6 +63,7 @@ class GenerationRequest:
     deadline: float | None = None  # time.monotonic() by which the request must end
     constraint_param: str = "constraint"  # the caller's name for `sampling.constraint` (OpenAI: response_format...)
     template_tools: list[dict] | None = None  # the tools the chat template renders (OpenAI's tool objects)
+    affinity: DecodeAffinity | None = None  # several choices of one prompt: where they meet
 
 
 @dataclass

@@ -23,7 +23,7 @@ from pdserve.finish_reason import from_proto
 from pdserve.gateway.attempt import Done, Fail, Migrate, Outcome, Retry, decide
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.observe import RequestWatch
-from pdserve.gateway.request import Delta, GenerationRequest, RequestError, check, invalid
+from pdserve.gateway.request import DecodeAffinity, Delta, GenerationRequest, RequestError, check, invalid
 from pdserve.gateway.router import NoWorkerAvailable, RouteLease, Router, WorkerHandle, WorkerKey
 from pdserve.gateway.text_stream import IncrementalDetokenizer, StopStringMatcher
 from pdserve.gateway.tokenizer import Tokenizer
@@ -167,19 +167,28 @@ class RequestPath:
     async def _pick(self, run: _Run, moved: Migrate | None) -> RouteLease:
         """Workers for the next attempt; with none healthy now (down, restarting, or all tried), wait up to
         `worker_wait` seconds for one before failing UNAVAILABLE (or with the error that ended the last try)."""
+        affinity = run.req.affinity
+        prefer = affinity.decode if affinity is not None else ""
         try:
-            return self.router.pick(run.tried, run.token_ids)
+            return self._claim(self.router.pick(run.tried, run.token_ids, prefer), affinity)
         except NoWorkerAvailable as e:
             error = e
         if self.worker_wait > 0 and await self.router.wait_for(run.tried, run.token_ids, self.worker_wait):
             try:
-                return self.router.pick(run.tried, run.token_ids)
+                return self._claim(self.router.pick(run.tried, run.token_ids, prefer), affinity)
             except NoWorkerAvailable as e:  # taken again in the moment since
                 error = e
         why = f"{error} within {self.worker_wait:g}s"
         if moved is not None:
             raise self._not_moved(moved, run, f"{why} to move it to") from None
         raise run.last_error or RequestError("no_worker", why) from None
+
+    @staticmethod
+    def _claim(lease: RouteLease, affinity: DecodeAffinity | None) -> RouteLease:
+        """The first of several choices names their decode worker."""
+        if affinity is not None and not affinity.decode:
+            affinity.decode = lease.decode.address
+        return lease
 
     def _not_moved(self, moved: Migrate, run: _Run, why: str = "") -> RequestError:
         """The error a request ends with when its stream broke and it cannot move (again)."""

@@ -116,14 +116,16 @@ class Router(WorkerPool):
         return [w for w in workers if w.healthy and w.address not in exclude and w.key not in exclude]
 
     def _candidates(
-        self, exclude: Set[str] | Set[WorkerKey], prompt: Sequence[int]
+        self, exclude: Set[str] | Set[WorkerKey], prompt: Sequence[int], prefer_decode: str = ""
     ) -> tuple[WorkerHandle, list[WorkerHandle]]:
-        """The decode worker for the next request, and the prefill workers to choose from (none: the decode
-        worker prefills the prompt itself); NoWorkerAvailable when there are none. No lease, no index touched."""
+        """The decode worker for the next request (`prefer_decode` while it is usable), and the prefill workers to
+        choose from (none: the decode worker prefills the prompt itself); NoWorkerAvailable when there are none. No
+        lease, no index touched."""
         decode_ok = self._usable(self.decode, exclude)
         if not decode_ok:
             raise NoWorkerAvailable("no healthy decode worker")
-        decode = min(decode_ok, key=lambda w: w.decode_score)
+        preferred = [w for w in decode_ok if prefer_decode and w.address == prefer_decode]
+        decode = preferred[0] if preferred else min(decode_ok, key=lambda w: w.decode_score)
         if self.colocated:
             return decode, []
         limit = decode.stats.local_prefill_max_tokens
@@ -139,11 +141,14 @@ class Router(WorkerPool):
             raise NoWorkerAvailable("no healthy prefill worker")
         return decode, prefill_ok
 
-    def pick(self, exclude: Set[str] | Set[WorkerKey] = frozenset(), prompt: Sequence[int] = ()) -> RouteLease:
+    def pick(
+        self, exclude: Set[str] | Set[WorkerKey] = frozenset(), prompt: Sequence[int] = (), prefer_decode: str = ""
+    ) -> RouteLease:
         """A lease on a decode worker and the prefill worker for `prompt` (None: the decode worker prefills it
         itself, colocated or by conditional disaggregation); hold it for as long as the request runs. `exclude`
-        names workers by address (every run) or by `key` (that run only: once it restarts, it is usable)."""
-        decode, prefill_ok = self._candidates(exclude, prompt)
+        names workers by address (every run) or by `key` (that run only: once it restarts, it is usable).
+        `prefer_decode`: the decode worker at that address, while it is healthy and not excluded (`DecodeAffinity`)."""
+        decode, prefill_ok = self._candidates(exclude, prompt, prefer_decode)
         if not prefill_ok:
             if self.colocated:
                 return RouteLease(decode, None, 0)

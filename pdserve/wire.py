@@ -91,6 +91,7 @@ class PrefillJob:
     transfer_secret: str
     start_within: float = 0.0  # seconds until the decode worker expires the transfer unless KV arrives (0: never)
     may_refuse: bool = False  # the caller can send it elsewhere: refuse it rather than start it too late
+    skip_blocks: int = 0  # leading blocks whose KV the caller holds already: only the blocks after them are sent
 
 
 @dataclass
@@ -115,6 +116,7 @@ def job_to_proto(job: PrefillJob) -> worker_pb2.PrefillRequest:
         ),
         start_within_s=job.start_within,
         may_refuse=job.may_refuse,
+        skip_blocks=job.skip_blocks,
     )
 
 
@@ -131,6 +133,7 @@ def job_from_proto(msg: worker_pb2.PrefillRequest) -> PrefillJob:
         t.secret,
         msg.start_within_s,
         msg.may_refuse,
+        msg.skip_blocks,
     )
 
 

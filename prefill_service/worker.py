@@ -104,6 +104,12 @@ class PrefillWorker:
         self.core.check(job.token_ids, job.params, new_tokens=1, num_prompt_tokens=job.num_prompt_tokens)
         if not 0 < len(job.transfer_id) <= 128 or not job.transfer_secret:
             raise InvalidParameter("kv_target", "kv_target needs a transfer_id (1..128 characters) and a secret")
+        if job.skip_blocks * self.layout.block_size >= len(job.token_ids):
+            raise InvalidParameter(
+                "skip_blocks",
+                f"skip_blocks {job.skip_blocks} leaves no block to send for {len(job.token_ids)} tokens "
+                f"(blocks of {self.layout.block_size})",
+            )
         if job.layout_fingerprint != self.layout.fingerprint:
             raise LayoutMismatch(
                 f"KV layout fingerprint {job.layout_fingerprint!r} does not match this worker's "
@@ -178,7 +184,8 @@ class PrefillWorker:
             spec = entry.spec
             trace = entry.watch.sending(seq, self.sender.transport.name)
             try:
-                self.sender.begin(spec.transfer_id, spec.kv_address, seq.block_ids, spec.transfer_secret, trace)
+                blocks = seq.block_ids[spec.skip_blocks :]  # the caller holds the KV of those before
+                self.sender.begin(spec.transfer_id, spec.kv_address, blocks, spec.transfer_secret, trace)
             except TransferError as e:
                 log.warning("request %s: cannot send KV to %s: %s", seq.request_id, spec.kv_address, e)
                 self._fail(entry, e)

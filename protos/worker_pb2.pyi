@@ -64,7 +64,7 @@ class KVTarget(_message.Message):
     def __init__(self, address: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., transfer_id: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "kv_target", "start_within_s", "may_refuse")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "kv_target", "start_within_s", "may_refuse", "skip_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class PrefillRequest(_message.Message):
     KV_TARGET_FIELD_NUMBER: _ClassVar[int]
     START_WITHIN_S_FIELD_NUMBER: _ClassVar[int]
     MAY_REFUSE_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -79,7 +80,8 @@ class PrefillRequest(_message.Message):
     kv_target: KVTarget
     start_within_s: float
     may_refuse: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., start_within_s: _Optional[float] = ..., may_refuse: _Optional[bool] = ...) -> None: ...
+    skip_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_target: _Optional[_Union[KVTarget, _Mapping]] = ..., start_within_s: _Optional[float] = ..., may_refuse: _Optional[bool] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
 
 class TransferFigures(_message.Message):
     __slots__ = ("bytes", "seconds", "layers", "blocks", "transport", "path", "tail_seconds")

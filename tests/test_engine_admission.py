@@ -85,3 +85,45 @@ def test_a_first_token_that_ends_the_request_frees_its_blocks_at_once(core: Engi
     core.land(one, 5)
     assert one.is_finished and one.finish_reason == "length" and not one.block_ids
     assert core.stats().kv_blocks_used == 0 and not core.has_work
+
+
+def test_landed_prompt_blocks_are_reserved_again_and_only_the_rest_is_received(
+    core: EngineCore, tiny_model_dir
+) -> None:
+    """Another request for a landed prompt (another choice of it) reserves the landed full blocks from the prefix
+    cache, whose KV it uses as is: only its last, partial block is written, and it decodes the same greedy tokens.
+    A prompt whose first token ended it leaves its blocks cached too."""
+    reference = EngineCore(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_blocks=100, block_size=16))
+    prompt = list(range(3, 40))  # 37 tokens: two full blocks and one partial
+    (expected,) = reference.generate([prompt], GREEDY)
+    donor = Sequence("donor", list(prompt), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    donor.prefill_only = True
+    reference.add(donor)
+    while reference.has_work:
+        reference.step()
+
+    first = Sequence("first", list(prompt), GREEDY)
+    assert core.reserve(first) and first.num_computed_tokens == 0
+    for src, dst in zip(donor.block_ids, first.block_ids):
+        core.kv_cache[:, :, dst] = reference.kv_cache[:, :, src]
+    core.land(first, donor.output_ids[0])
+    second = Sequence("second", list(prompt), GREEDY)
+    assert core.reserve(second)
+    assert second.num_computed_tokens == 32 and second.block_ids[:2] == first.block_ids[:2]
+    assert second.block_ids[2] != first.block_ids[2]
+    core.kv_cache[:, :, second.block_ids[2]] = reference.kv_cache[:, :, donor.block_ids[2]]
+    core.land(second, donor.output_ids[0])
+    while core.has_work:
+        core.step()
+    assert first.output_ids == expected and second.output_ids == expected
+    assert core.stats().prefix_hit_tokens == 32 and core.stats().kv_blocks_used == 0
+    core.allocator.check_invariants()
+
+    ended = Sequence("ended", list(range(50, 90)), SamplingParams(max_tokens=1, temperature=0.0))
+    assert core.reserve(ended)
+    core.land(ended, 5)
+    assert ended.is_finished and not ended.block_ids
+    again = Sequence("again", list(range(50, 90)), GREEDY)
+    assert core.reserve(again) and again.num_computed_tokens == 32
+    core.abort(again)
+    core.allocator.check_invariants()

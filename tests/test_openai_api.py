@@ -441,12 +441,28 @@ def _prefill_computed(stack) -> float:
     return page.get(("pdserve_prefill_prompt_tokens_total", frozenset()), 0.0) - hits
 
 
-async def test_n_choices_cost_one_prefill_and_repeat_per_seed(stack):
+def _decode_received(stack) -> tuple[float, float]:
+    """KV bytes the decode worker received so far, and prompt tokens its prefix cache held."""
+    page = scrape(stack.metrics["decode"])
+    return (
+        page.get(("pdserve_kv_transfer_received_bytes_total", frozenset()), 0.0),
+        page.get(("pdserve_decode_prefix_cache_hit_tokens_total", frozenset()), 0.0),
+    )
+
+
+def _kv_block_bytes(hf_model) -> int:
+    """Bytes of one KV block of the stack's cache: 16 tokens, K and V, every layer, fp32."""
+    c = hf_model.config
+    return 16 * 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+
+
+async def test_n_choices_cost_one_prefill_and_repeat_per_seed(stack, hf_model):
     """n=4 on a ~500-token prompt never seen: four distinct choices, the prompt computed once (the other choices
-    compute only its last, partial block), usage counting the prompt once. Seeded choices repeat, streamed or not,
-    and best_of returns the n with the best mean logprob. (The repeats draw among ten digits: over the whole
-    vocabulary at temperature 1 a draw can flip with the last bits of the logits, which move with the batch a
-    choice happens to share.)"""
+    compute only its last, partial block) and sent to the decode worker once (the other choices reserve the
+    blocks that landed for the first one and are sent only the last block), usage counting the prompt once.
+    Seeded choices repeat, streamed or not, and best_of returns the n with the best mean logprob. (The repeats draw
+    among ten digits: over the whole vocabulary at temperature 1 a draw can flip with the last bits of the logits,
+    which move with the batch a choice happens to share.)"""
     import random
     import re
 
@@ -454,11 +470,15 @@ async def test_n_choices_cost_one_prefill_and_repeat_per_seed(stack):
     rng = random.Random(5)
     prompt = "Words: " + " ".join(rng.choice(["red", "sky", "tree", "blue", "stone", "river"]) for _ in range(480))
     kw = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 8, "temperature": 1.0}
-    before = _prefill_computed(stack)
+    before, received_before = _prefill_computed(stack), _decode_received(stack)
     got = await client.completions.create(n=4, extra_body={"ignore_eos": True}, **kw)
     computed = _prefill_computed(stack) - before
     prompt_tokens = got.usage.prompt_tokens
     assert prompt_tokens > 450 and prompt_tokens <= computed <= prompt_tokens + 3 * 16, (computed, prompt_tokens)
+    received, held = (b - a for a, b in zip(received_before, _decode_received(stack)))
+    blocks = -(-prompt_tokens // 16)
+    assert received == (blocks + 3) * _kv_block_bytes(hf_model), (received, blocks)
+    assert held == 3 * 16 * ((prompt_tokens - 1) // 16)
     assert [c.index for c in got.choices] == [0, 1, 2, 3] and len({c.text for c in got.choices}) > 1
     assert got.usage.completion_tokens == 4 * 8
 

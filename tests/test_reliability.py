@@ -88,6 +88,21 @@ async def test_a_kv_target_that_is_not_a_receiver_fails_only_its_request(stack):
     stack.wait_idle()
 
 
+async def test_skip_blocks_must_leave_a_block_to_send(stack):
+    """A Prefill that says its caller holds every block of the prompt is refused, naming skip_blocks: the last
+    block (the last prompt token's KV) always travels."""
+    from pdserve.failures import INVALID_PARAMETER
+
+    request = _prefill_request("ucx://127.0.0.1:1", "skip-all")
+    request.kv_target.layout_fingerprint = _fingerprint(stack)
+    request.skip_blocks = 3  # 40 tokens: blocks of 16, 16 and 8
+    async with grpc.aio.insecure_channel(stack.prefill[0]) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await worker_pb2_grpc.PrefillServiceStub(ch).Prefill(request, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "skip_blocks" in (err.value.details() or "")
+    assert dict(err.value.trailing_metadata() or ()).get(INVALID_PARAMETER) == "skip_blocks"
+
+
 async def test_tiny_temperature_in_a_batch_hurts_nobody(stack):
     async with Client(stack.gateway) as client:
         kinds = [dict(temperature=1e-37), dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=3)] * 2

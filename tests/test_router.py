@@ -87,6 +87,25 @@ async def test_pick_takes_the_least_loaded_healthy_workers():
         await router.close()
 
 
+async def test_choices_of_one_prompt_meet_on_the_decode_worker_of_the_first():
+    """A preferred decode worker (the one the first choice of a prompt went to, which holds its KV) is taken over
+    less loaded ones, while it is healthy and not excluded; otherwise the usual choice."""
+    router = Router([f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}" for _ in range(2)])
+    try:
+        for w in router.workers:
+            w.healthy = True
+            w.stats = worker_pb2.WorkerStats(kv_blocks_total=100)
+        busy, idle = router.decode
+        busy.stats.running = 5
+        assert router.pick().decode is idle
+        assert router.pick(prefer_decode=busy.address).decode is busy
+        assert router.pick(exclude={busy.address}, prefer_decode=busy.address).decode is idle
+        busy.healthy = False
+        assert router.pick(prefer_decode=busy.address).decode is idle
+    finally:
+        await router.close()
+
+
 async def test_colocated_router_needs_no_prefill_worker():
     router = Router([], [f"127.0.0.1:{free_port()}"])
     try:
