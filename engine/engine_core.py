@@ -261,8 +261,7 @@ class EngineCore:
         self._trimmed_steps = self._trimmed_steps + 1 if keep < len(chances) else 0
         if self._trimmed_steps >= RECHECK_EVERY:  # a cost measured in a busy moment must not stop speculation:
             keep, self._trimmed_steps = keep + 1, 0  # one more row now and then measures that step size again
-        if self.runner.invariant_rows is not None:  # past it the kernels sum a row in another order than alone
-            keep = min(keep, max(0, self.runner.invariant_rows - base))
+        keep = min(keep, self.runner.rows_beside(base) - base)  # past it the kernels sum a row in another order
         kept: dict[Sequence, int] = {}
         for _, seq in chances[:keep]:
             kept[seq] = kept.get(seq, 0) + 1

@@ -63,6 +63,7 @@ class ModelRunner:
         self.sampler = Sampler(self.config.vocab_size, self.config.eos_token_ids)
         self.step_cost = StepCost()  # what decode steps took by their rows: what a guess row costs here
         self.invariant_rows = self._invariant_rows()
+        self._span_starts, self._span_limit = self._invariant_spans()
 
     def _invariant_rows(self) -> int | None:
         """The most rows a step may have with each row's logits those it gets alone, by the C linear kernels this
@@ -70,6 +71,24 @@ class ModelRunner:
         tests check fp32 against itself with and without guesses)."""
         rows = [m.invariant_rows for m in self.model.modules() if isinstance(m, quant_linear.QuantLinear)]
         return min(rows) if rows else None
+
+    def _invariant_spans(self) -> tuple[list[int], int | None]:
+        """Every linear's spans of row counts with the same arithmetic per row (`QuantLinear.invariant_spans`),
+        intersected: where a span starts in any of them, and the last row count all of them vouch for."""
+        spans = [m.invariant_spans for m in self.model.modules() if isinstance(m, quant_linear.QuantLinear)]
+        if not spans:
+            return [], None
+        return sorted({first for each in spans for first, _ in each}), min(each[-1][1] for each in spans)
+
+    def rows_beside(self, base: int) -> int:
+        """The most rows a step of `base` rows may grow to with guess rows while every row's logits stay what the
+        step of `base` rows gives it (its span of row counts); `base` where none may be added, unbounded (a large
+        number) where torch runs every linear."""
+        if self._span_limit is None:
+            return 1 << 30
+        if base > self._span_limit:
+            return base
+        return min([first - 1 for first in self._span_starts if first > base] + [self._span_limit])
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, model: LlamaForCausalLM | None = None) -> ModelRunner:

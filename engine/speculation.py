@@ -20,7 +20,8 @@ proposal may be two longer, after a refusal it is one longer than were kept, nev
 `speculative_tokens`. Per step: a guess row is not free once a step is bound by its arithmetic rather than by reading
 the weights (on a 2-core Zen 4, bf16, one row costs 11.5 ms, 8 rows 14.5 ms, 16 rows 25 ms), so the step keeps the
 guesses that maximise expected tokens per second: guess j of a sequence is kept with its estimated chance
-`acceptance ** j`, and a step's cost by its rows is what such steps measured on this machine (`StepCost`).
+`acceptance ** j`, and a step's cost by its rows is what such steps measured on this machine (`StepCost`). And
+the rows stay within the step's span of row counts whose arithmetic per row is the same (`ModelRunner.rows_beside`).
 """
 
 from __future__ import annotations

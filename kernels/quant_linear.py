@@ -367,6 +367,19 @@ class QuantLinear(nn.Module):
         if q8:
             self.decode_rows = self.bf16_rows = kernels.q8_rows
         self.invariant_rows = self._invariant_rows()
+        self.invariant_spans = self._invariant_spans()
+
+    def _invariant_spans(self) -> tuple[tuple[int, int], ...]:
+        """Row counts (first, last) within which each row's output is the same whatever the step's number of rows:
+        the first span is (1, invariant_rows), rows as they are alone. On AMX, bf16 rows against bf16_rows take
+        the tile unit from AMX_ROWS rows to bf16_rows, where every row's sums run in the tile's one order: a second
+        span, so a step of 8 rows may check guesses up to 64 rows and give each row what the 8-row step gives it.
+        (Taking the tiles from one row would make it one span, at +24% for a one-row step: Sapphire Rapids, the
+        built-in model, 12.3 -> 15.2 ms.)"""
+        spans: tuple[tuple[int, int], ...] = ((1, self.invariant_rows),)
+        if self.kernels.tiles and self.fmt == "bf16_rows" and self.invariant_rows == AMX_ROWS - 1:
+            spans += ((AMX_ROWS, self.bf16_rows),)
+        return spans
 
     def _invariant_rows(self) -> int:
         """Rows up to which each row's output, bf16 activations in, is the one it gets alone (its sums run in one

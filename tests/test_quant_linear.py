@@ -167,6 +167,25 @@ def test_the_native_build_multiplies_bf16_pairs_where_the_cpu_can(tmp_path, monk
     assert capped is not None and not capped.bf16_dot and not capped.tiles
 
 
+@pytest.mark.parametrize("fmt,activations", [("bf16", "exact"), ("bf16_rows", "exact"), ("q4_1", "q8")])
+def test_a_row_is_the_same_in_every_step_of_its_span(kernels, fmt, activations):
+    """`invariant_spans`: within each span of row counts (on AMX, bf16_rows from 4 rows on is the tile unit's) a
+    row's output is bit for bit the same whatever the step's number of rows, so a step of 8 rows may take guess
+    rows up to the span's end and give the 8 rows what the 8-row step gives them."""
+    n, k = 200, 160
+    gen = torch.Generator().manual_seed(12)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(72, k, generator=gen).bfloat16()
+    lin = QuantLinear(quant_linear.quantize(w, fmt), None, kernels, activations=activations)
+    assert lin.invariant_spans[0] == (1, lin.invariant_rows)
+    for first, last in lin.invariant_spans:
+        last = min(last, len(x))
+        whole = lin(x[:last])
+        for m in sorted({first, first + 1, (first + last) // 2, last} & set(range(first, last + 1))):
+            assert torch.equal(lin(x[:m]), whole[:m]), f"{m} rows in span {first}..{last}"
+    if kernels.tiles and fmt == "bf16_rows":
+        assert lin.invariant_spans == ((1, quant_linear.AMX_ROWS - 1), (quant_linear.AMX_ROWS, lin.bf16_rows))
+
+
 @pytest.mark.parametrize(
     "fmt,activations",
     [("bf16", "exact"), ("bf16_rows", "exact"), ("f32", "exact"), ("q8_0", "q8"), ("q4_0", "q8"), ("q4_1", "q8")],

@@ -293,8 +293,24 @@ COPY = (
 def _room_for_guesses(engine: EngineCore, rows: int) -> bool:
     """Whether the kernels vouch for a step of more than `rows` rows (a CPU level whose kernels vouch for one row,
     the portable C path, checks no guesses and must still give the same tokens)."""
-    limit = engine.runner.invariant_rows
-    return limit is None or limit > rows
+    return engine.runner.rows_beside(rows) > rows
+
+
+def test_a_step_grows_only_within_its_span_of_row_counts(builtin):
+    """The runner's spans (on AMX, bf16: 1-3 rows alone, 4-64 rows on the tile unit): a step of 2 rows may grow to
+    3, one of 8 to 64, one past every span by nothing; torch's linears claim no bound."""
+    _, engines = builtin
+    runner = engines[6].runner
+    saved = runner._span_starts, runner._span_limit
+    try:
+        runner._span_starts, runner._span_limit = [1, 4], 64
+        assert [runner.rows_beside(b) for b in (1, 2, 3, 4, 8, 64, 65)] == [3, 3, 3, 64, 64, 64, 65]
+        runner._span_starts, runner._span_limit = [1], 7
+        assert [runner.rows_beside(b) for b in (1, 7, 8)] == [7, 7, 8]
+        runner._span_starts, runner._span_limit = [], None
+        assert runner.rows_beside(8) > 1000
+    finally:
+        runner._span_starts, runner._span_limit = saved
 
 
 def test_builtin_model_bf16_greedy_is_the_same_with_guesses_in_the_step(builtin):
