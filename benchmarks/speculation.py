@@ -12,6 +12,10 @@ One `pdserve up --colocated` (speculation off by default); each request turns it
 - c=8: output tokens per second with 8 requests in flight (a closed loop over 24 requests, the set's prompts in
   turn), median over blocks. (Rounds of 8 that start together measure the slowest of the 8 instead.)
 - The decode worker's counters: guesses proposed and kept.
+- The c=8 ceiling, this machine's own limit measured in the same run: the engine's decode step timed at 8, 16, ...
+  rows (8 sequences at the copy-heavy context, each with 0, 1, ... guess rows, every guess kept) gives the most
+  tokens per second any acceptance could reach, as a ratio to 8 rows without guesses. Past the rows a step reads
+  its weights for, each row costs its own arithmetic, and the ceiling says what is left to win.
 
 Copy-heavy prompts edit, fix or reformat a text or code they carry (this package's own source and docstrings, so
 nothing is downloaded); the others ask for new text.
@@ -139,6 +143,56 @@ def _counters(metrics_port: int) -> tuple[float, float]:
     )
 
 
+def ceiling(model: str, dtype: str, quantization: str, k: int, context: int = 400, steps: int = 6) -> list[str]:
+    """The most speculation can give at c=8 here: 8 sequences, each checking g guesses that are all kept, make
+    8 (1 + g) tokens a step of 8 (1 + g) rows. A guess row is attended alone (that keeps it exact), so it costs
+    what a sequence's row at that context costs: the step is timed with 8 (1 + g) sequences."""
+    import random
+
+    from pdserve.cli.services import model_and_dtype
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.engine.sampling_params import SamplingParams
+
+    path, dtype = model_and_dtype(model, dtype)
+    guesses = [g for g in (0, 1, 2, 3, 4, 6, 8, 12, 16) if g <= k]
+    core = EngineCore(
+        EngineConfig(
+            model=path,
+            dtype=dtype,
+            quantization=quantization,
+            max_num_seqs=8 * (1 + guesses[-1]),
+            kv_cache_memory=3 << 30,
+            max_num_batched_tokens=8192,
+        )
+    )
+    rng = random.Random(0)
+    greedy = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
+    step_ms: dict[int, float] = {}
+    for g in guesses:
+        rows = 8 * (1 + g)
+        seqs = [core.add_request([rng.randrange(100, 40000) for _ in range(context)], greedy) for _ in range(rows)]
+        while any(s.num_output_tokens == 0 for s in seqs):
+            core.step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - start)
+        for s in seqs:
+            core.abort(s)
+        step_ms[g] = min(times) * 1e3
+    base = 8 / step_ms[0]
+    gains = {g: 8 * (1 + g) / step_ms[g] / base for g in guesses}
+    best = max(gains, key=lambda g: gains[g])
+    table = ", ".join(f"{8 * (1 + g)} rows {step_ms[g]:.1f} ms" for g in guesses)
+    return [
+        f"c=8 ceiling ({dtype}, {quantization}, context {context}): decode step {table}",
+        f"c=8 ceiling: at most {gains[best]:.2f}x tokens/s, with {best} guesses a sequence all kept "
+        f"(1 guess each: {gains[guesses[1]] if len(guesses) > 1 else 1.0:.2f}x)",
+    ]
+
+
 def served(model: str, dtype: str, k: int, rounds: int, c1: bool = True, quantization: str = "none") -> list[str]:
     from pdserve.benchmarks.compare import free_port, pdserve_up
 
@@ -172,11 +226,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="passes over each prompt set per point")
     ap.add_argument("--quantization", default="none", help="the worker's --quantization (gguf: the file's blocks)")
     ap.add_argument("--c8-only", action="store_true", help="skip the c=1 points")
+    ap.add_argument("--ceiling-only", action="store_true", help="only the c=8 ceiling (no server)")
     args = ap.parse_args()
     flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     isa = " ".join(f for f in flags.split() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
     print(f"CPU flags: {isa}")
-    for line in served(args.model, args.dtype, args.k, args.rounds, not args.c8_only, args.quantization):
+    if not args.ceiling_only:
+        for line in served(args.model, args.dtype, args.k, args.rounds, not args.c8_only, args.quantization):
+            print(line, flush=True)
+    for line in ceiling(args.model, args.dtype, args.quantization, args.k):
         print(line, flush=True)
 
 
