@@ -149,12 +149,13 @@ def ceiling(model: str, dtype: str, quantization: str, k: int, context: int = 40
     what a sequence's row at that context costs: the step is timed with 8 (1 + g) sequences."""
     import random
 
-    from pdserve.cli.services import model_and_dtype
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine_core import EngineCore
+    from pdserve.engine.model_store import resolve_model
     from pdserve.engine.sampling_params import SamplingParams
 
-    path, dtype = model_and_dtype(model, dtype)
+    path = str(resolve_model(model))
+    dtype = "bfloat16" if dtype == "auto" else dtype  # what `pdserve up` picks wherever its C kernels run
     guesses = [g for g in (0, 1, 2, 3, 4, 6, 8, 12, 16) if g <= k]
     core = EngineCore(
         EngineConfig(
