@@ -32,6 +32,7 @@ cpu_isa.apply_cap()  # before torch: the cap reaches torch's kernels too
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
@@ -165,6 +166,28 @@ def _engine(fmt: str, batch: int, model: str | None):
     )
 
 
+def decode_steps(
+    core, batch: int, context: int, steps: int, rng: random.Random, beside: Beside | None = None
+) -> list[float]:
+    """Seconds of each of `steps` decode steps of `batch` sequences of `context` random tokens (prefilled first,
+    aborted after), timed inside `beside` where given."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    greedy = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
+    seqs = [core.add_request([rng.randrange(100, 40000) for _ in range(context)], greedy) for _ in range(batch)]
+    while any(s.num_output_tokens == 0 for s in seqs):
+        core.step()
+    times = []
+    with beside or contextlib.nullcontext():
+        for _ in range(steps):
+            start = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - start)
+    for s in seqs:
+        core.abort(s)
+    return times
+
+
 def measure(fmt: str, steps: int, model: str | None = None) -> tuple[list[Row], Sizes]:
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.weight_format import decode_linears, weight_bytes
@@ -179,20 +202,9 @@ def measure(fmt: str, steps: int, model: str | None = None) -> tuple[list[Row], 
     )
     rng = random.Random(0)
     rows: list[Row] = []
-    greedy = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     for batch in (1, 8, 32):
-        seqs = [core.add_request([rng.randrange(100, 40000) for _ in range(CONTEXT)], greedy) for _ in range(batch)]
-        while any(s.num_output_tokens == 0 for s in seqs):
-            core.step()
-        times = []
-        with Beside() as near:
-            for _ in range(steps):
-                t = time.perf_counter()
-                core.step()
-                times.append(time.perf_counter() - t)
-        for s in seqs:
-            core.abort(s)
-        ms = statistics.median(times) * 1e3
+        near = Beside()
+        ms = statistics.median(decode_steps(core, batch, CONTEXT, steps, rng, near)) * 1e3
         rows.append(Row(fmt, f"decode b={batch}", ms, *sizes.decode(batch, CONTEXT + steps), near.limits))
     for n in (128, 1024):
 

@@ -149,10 +149,10 @@ def ceiling(model: str, dtype: str, quantization: str, k: int, context: int = 40
     what a sequence's row at that context costs: the step is timed with 8 (1 + g) sequences."""
     import random
 
+    from pdserve.benchmarks.roofline import decode_steps
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine_core import EngineCore
     from pdserve.engine.model_store import resolve_model
-    from pdserve.engine.sampling_params import SamplingParams
 
     path = str(resolve_model(model))
     dtype = "bfloat16" if dtype == "auto" else dtype  # what `pdserve up` picks wherever its C kernels run
@@ -168,21 +168,7 @@ def ceiling(model: str, dtype: str, quantization: str, k: int, context: int = 40
         )
     )
     rng = random.Random(0)
-    greedy = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
-    step_ms: dict[int, float] = {}
-    for g in guesses:
-        rows = 8 * (1 + g)
-        seqs = [core.add_request([rng.randrange(100, 40000) for _ in range(context)], greedy) for _ in range(rows)]
-        while any(s.num_output_tokens == 0 for s in seqs):
-            core.step()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            core.step()
-            times.append(time.perf_counter() - start)
-        for s in seqs:
-            core.abort(s)
-        step_ms[g] = min(times) * 1e3
+    step_ms = {g: min(decode_steps(core, 8 * (1 + g), context, steps, rng)) * 1e3 for g in guesses}
     base = 8 / step_ms[0]
     gains = {g: 8 * (1 + g) / step_ms[g] / base for g in guesses}
     best = max(gains, key=lambda g: gains[g])
