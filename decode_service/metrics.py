@@ -2,35 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
 
 from pdserve.engine.engine_core import EngineStats
-from pdserve.metric_families import GrammarMetrics, LatencyMetrics, TransferMetrics, request_counter
+from pdserve.metric_families import EngineCounters, LatencyMetrics, TransferMetrics, request_counter
 from pdserve.metrics_server import BATCH_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 
-
-class PrefixCacheHits(Collector):
-    """`pdserve_decode_prefix_cache_hit_tokens_total`: prompt tokens whose KV this worker's prefix cache held, so
-    they were neither computed here (local prefill, recompute) nor received (a prompt's blocks that landed for an
-    earlier request, such as another choice of it). Read from the engine's stats at scrape time."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._stats: Callable[[], EngineStats] | None = None
-        registry.register(self)
-
-    def bind(self, stats: Callable[[], EngineStats]) -> None:
-        self._stats = stats
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        yield CounterMetricFamily(
-            "pdserve_decode_prefix_cache_hit_tokens",
-            "Prompt tokens whose KV the prefix cache held: not computed here, not received from a prefill worker.",
-            value=self._stats().prefix_hit_tokens if self._stats is not None else 0,
-        )
+# prompt tokens whose KV the prefix cache held, neither computed here (local prefill, recompute) nor received (a
+# prompt's blocks that landed for an earlier request, such as another choice of it)
+PREFIX_CACHE_HITS = (
+    (
+        "prefix_cache_hit_tokens",
+        "Prompt tokens whose KV the prefix cache held: not computed here, not received from a prefill worker.",
+        lambda s: s.prefix_hit_tokens,
+    ),
+)
 
 
 class DecodeMetrics:
@@ -78,8 +66,7 @@ class DecodeMetrics:
             registry=r,
         )
         self.transfer = TransferMetrics(sent=False, registry=r)
-        self.grammar = GrammarMetrics("decode", r)
-        self.prefix_hits = PrefixCacheHits(r)
+        self.engine_counters = EngineCounters("decode", r, PREFIX_CACHE_HITS)
         self.running = Gauge("pdserve_decode_requests_running", "Sequences in the running batch.", registry=r)
         self.waiting = Gauge("pdserve_decode_requests_waiting", "Requests waiting for blocks or prefill.", registry=r)
         self.kv_blocks = Gauge("pdserve_decode_kv_blocks", "KV blocks by state.", ["state"], registry=r)
@@ -92,5 +79,4 @@ class DecodeMetrics:
         self.kv_blocks.labels("used").set_function(lambda: stats().kv_blocks_used)
         self.kv_blocks.labels("free").set_function(lambda: (s := stats()).kv_blocks_total - s.kv_blocks_used)
         self.kv_usage.set_function(lambda: (s := stats()).kv_blocks_used / s.kv_blocks_total)
-        self.grammar.bind(stats)
-        self.prefix_hits.bind(stats)
+        self.engine_counters.bind(stats)

@@ -124,8 +124,8 @@ class Router(WorkerPool):
         decode_ok = self._usable(self.decode, exclude)
         if not decode_ok:
             raise NoWorkerAvailable("no healthy decode worker")
-        preferred = [w for w in decode_ok if prefer_decode and w.address == prefer_decode]
-        decode = preferred[0] if preferred else min(decode_ok, key=lambda w: w.decode_score)
+        preferred = next((w for w in decode_ok if prefer_decode and w.address == prefer_decode), None)
+        decode = preferred or min(decode_ok, key=lambda w: w.decode_score)
         if self.colocated:
             return decode, []
         limit = decode.stats.local_prefill_max_tokens

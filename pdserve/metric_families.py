@@ -1,7 +1,7 @@
 """The metrics more than one service declares, declared once: request latency as a client sees it (the gateway and
 the decode workers), KV transfers (sent by prefill workers, received by decode workers), finished requests by
-their failure-table label, and the grammar compiler both workers run. Each service keeps its own names, so
-dashboards and queries stay as they are."""
+their failure-table label, and the counters both workers' engines keep (the grammar compiler's). Each service
+keeps its own names, so dashboards and queries stay as they are."""
 
 from __future__ import annotations
 
@@ -73,12 +73,36 @@ def request_counter(service: str, what: str, registry: CollectorRegistry) -> Cou
     return counter
 
 
-class GrammarMetrics(Collector):
-    """`pdserve_<service>_grammar_*`: constraints compiled, requests that found theirs compiled, seconds compiling.
-    Read from the engine's stats at scrape time (the compiler counts; nothing on the request path updates these)."""
+StatsReader = Callable[["EngineStats"], float]
+GRAMMAR_COUNTERS: tuple[tuple[str, str, StatsReader], ...] = (
+    (
+        "grammar_compiles",
+        "Constraints (JSON schemas, regexes, grammars) compiled: not among the recently compiled.",
+        lambda s: s.grammar_compiles_total,
+    ),
+    (
+        "grammar_cache_hits",
+        "Constrained requests that started from a recently compiled constraint (a copy, no compile).",
+        lambda s: s.grammar_cache_hits_total,
+    ),
+    (
+        "grammar_compile_seconds",
+        "Seconds spent compiling constraints (off the model thread).",
+        lambda s: s.grammar_compile_seconds_total,
+    ),
+)
 
-    def __init__(self, service: str, registry: CollectorRegistry) -> None:
-        self._prefix = f"pdserve_{service}_grammar"
+
+class EngineCounters(Collector):
+    """`pdserve_<service>_<name>` counters the engine keeps, read from its stats at scrape time (nothing on the
+    request path updates them): the grammar compiler's, which both workers run, and any `extra` a service adds
+    (name, help, reader)."""
+
+    def __init__(
+        self, service: str, registry: CollectorRegistry, extra: tuple[tuple[str, str, StatsReader], ...] = ()
+    ) -> None:
+        self._prefix = f"pdserve_{service}"
+        self._counters = (*GRAMMAR_COUNTERS, *extra)
         self._stats: Callable[[], EngineStats] | None = None
         registry.register(self)
 
@@ -87,19 +111,5 @@ class GrammarMetrics(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         s = self._stats() if self._stats is not None else None
-        p = self._prefix
-        yield CounterMetricFamily(
-            f"{p}_compiles",
-            "Constraints (JSON schemas, regexes, grammars) compiled: not among the recently compiled.",
-            value=s.grammar_compiles_total if s else 0,
-        )
-        yield CounterMetricFamily(
-            f"{p}_cache_hits",
-            "Constrained requests that started from a recently compiled constraint (a copy, no compile).",
-            value=s.grammar_cache_hits_total if s else 0,
-        )
-        yield CounterMetricFamily(
-            f"{p}_compile_seconds",
-            "Seconds spent compiling constraints (off the model thread).",
-            value=s.grammar_compile_seconds_total if s else 0.0,
-        )
+        for name, what, read in self._counters:
+            yield CounterMetricFamily(f"{self._prefix}_{name}", what, value=read(s) if s is not None else 0)

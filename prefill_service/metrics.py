@@ -7,7 +7,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdserve.engine.engine_core import EngineStats
-from pdserve.metric_families import GrammarMetrics, TransferMetrics, request_counter
+from pdserve.metric_families import EngineCounters, TransferMetrics, request_counter
 from pdserve.metrics_server import TOKEN_BUCKETS, TTFT_BUCKETS
 
 
@@ -39,7 +39,7 @@ class PrefillMetrics:
             "pdserve_prefill_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", registry=r
         )
         self.transfer = TransferMetrics(sent=True, registry=r)
-        self.grammar = GrammarMetrics("prefill", r)
+        self.engine_counters = EngineCounters("prefill", r)
         self.running = Gauge("pdserve_prefill_requests_running", "Prompts being computed or transferred.", registry=r)
         self.waiting = Gauge("pdserve_prefill_requests_waiting", "Prompts queued.", registry=r)
         self.kv_blocks = Gauge("pdserve_prefill_kv_blocks", "KV blocks by state.", ["state"], registry=r)
@@ -59,4 +59,4 @@ class PrefillMetrics:
         self.kv_blocks.labels("free").set_function(
             lambda: (s := stats()).kv_blocks_total - s.kv_blocks_used - s.kv_blocks_evictable
         )
-        self.grammar.bind(stats)
+        self.engine_counters.bind(stats)
