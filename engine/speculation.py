@@ -113,39 +113,51 @@ class StepCost:
 
     def __init__(self, window: int = 8) -> None:
         self._seconds: dict[int, deque[float]] = {}
+        self._least: dict[int, float] = {}  # each row count's estimate, kept as steps are observed
         self._window = window
         self._lock = threading.Lock()  # the model thread observes while the scheduler estimates
 
     def observe(self, rows: int, seconds: float) -> None:
         with self._lock:
-            self._seconds.setdefault(rows, deque(maxlen=self._window)).append(seconds)
+            seen = self._seconds.setdefault(rows, deque(maxlen=self._window))
+            seen.append(seconds)
+            self._least[rows] = min(seen)
+
+    def known(self) -> dict[int, float]:
+        """Seconds by row count, of every row count measured (a copy)."""
+        with self._lock:
+            return dict(self._least)
 
     def estimate(self, rows: int) -> float | None:
         """Seconds for a step of `rows` rows; None while no step has been measured."""
-        with self._lock:
-            known = {r: min(seen) for r, seen in self._seconds.items()}
-        if rows in known:
-            return known[rows]
-        below = max((r for r in known if r < rows), default=None)
-        above = min((r for r in known if r > rows), default=None)
-        if below is None:
-            return None if above is None else known[above]
-        if above is None:
-            return known[below]
-        return known[below] + (known[above] - known[below]) * (rows - below) / (above - below)
+        return interpolate(self.known(), rows)
+
+
+def interpolate(known: dict[int, float], rows: int) -> float | None:
+    """`StepCost.estimate` over one copy of what it knows."""
+    if rows in known:
+        return known[rows]
+    below = max((r for r in known if r < rows), default=None)
+    above = min((r for r in known if r > rows), default=None)
+    if below is None:
+        return None if above is None else known[above]
+    if above is None:
+        return known[below]
+    return known[below] + (known[above] - known[below]) * (rows - below) / (above - below)
 
 
 def worth_checking(base_rows: int, chances: Sequence[float], cost: StepCost) -> int:
     """How many of the guess rows (their chances of being kept, best first) a step of `base_rows` rows should
     check: the number that maximises expected tokens per second by `cost`'s estimates; all of them while nothing
     is measured."""
-    first = cost.estimate(base_rows)
+    known = cost.known()  # one copy for every row count this step weighs
+    first = interpolate(known, base_rows)
     if first is None:
         return len(chances)
     best, best_rate, expected = 0, base_rows / first, float(base_rows)
     for n, chance in enumerate(chances, 1):
         expected += chance
-        seconds = cost.estimate(base_rows + n) or first
+        seconds = interpolate(known, base_rows + n) or first
         if expected / seconds > best_rate:
             best, best_rate = n, expected / seconds
     return best
