@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pdserve.benchmarks.bench_stats import compute_metrics
@@ -87,10 +87,12 @@ def pdserve_up(
     activations: str = "q8",
     model: str = "default",
     metrics_port: int = -1,
+    extra: Sequence[str] = (),
 ) -> Iterator[tuple[str, int]]:
     """`pdserve up` (gateway and workers, or one colocated worker behind the gateway) on free loopback ports,
     logging to `log`; yields the gateway's gRPC address and its HTTP port once it serves, and stops it all after.
-    `metrics_port`: where the gateway's /metrics goes (the workers' on the ports after it); -1: none."""
+    `metrics_port`: where the gateway's /metrics goes (the workers' on the ports after it); -1: none. `extra`: more
+    flags of `up`."""
     port, http = free_port(), free_port()
     argv = [
         sys.executable,
@@ -121,6 +123,7 @@ def pdserve_up(
         "64",
         "--http-port",
         str(http),
+        *extra,
     ]
     if colocated:
         argv.append("--colocated")

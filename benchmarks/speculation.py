@@ -1,10 +1,11 @@
-"""What speculation by prompt lookup buys: served latency and throughput with it and without, on prompts whose
-answer copies from them and on prompts with nothing to copy.
+"""What speculation buys: served latency and throughput with it and without, on prompts whose answer copies from them
+and on prompts with nothing to copy; by prompt lookup alone, or with a draft model (`--draft gguf`).
 
-    python -m pdserve.benchmarks.speculation [--model PATH] [--k 8] [--rounds 3] [--dtype auto]
+    python -m pdserve.benchmarks.speculation [--model PATH] [--k 8] [--rounds 3] [--dtype auto] [--draft none]
 
-One `pdserve up --colocated` (speculation off by default); each request turns it on or off with its own
-`speculative_tokens`, and the two sides' rounds are interleaved so that a busy spell of the machine falls on both.
+One `pdserve up --colocated` (speculation off by default; `--draft` is its `--speculative-draft`); each request turns
+it on or off with its own `speculative_tokens`, and the two sides' rounds are interleaved so that a busy spell of the
+machine falls on both.
 
 - c=1: time per output token (TPOT: from the first token to the last, over the tokens after the first) p50 over
   every request, greedy and drawn (seeded); and whether each answer is the same token for token with and without
@@ -180,14 +181,20 @@ def ceiling(model: str, dtype: str, quantization: str, k: int, context: int = 40
     ]
 
 
-def served(model: str, dtype: str, k: int, rounds: int, c1: bool = True, quantization: str = "none") -> list[str]:
+def served(
+    model: str, dtype: str, k: int, rounds: int, c1: bool = True, quantization: str = "none", draft: str = "none"
+) -> list[str]:
     from pdserve.benchmarks.compare import free_port, pdserve_up
 
     lines = []
     metrics = free_port()  # the gateway's; the colocated worker's is the next
     log = Path(tempfile.mkdtemp()) / "up.log"
     sets = {"copy-heavy": copy_prompts(), "nothing to copy": NO_COPY}
-    with pdserve_up(log, dtype, quantization, colocated=True, model=model, metrics_port=metrics) as (address, _):
+    extra = ("--speculative-draft", draft)
+    with pdserve_up(log, dtype, quantization, colocated=True, model=model, metrics_port=metrics, extra=extra) as (
+        address,
+        _,
+    ):
         for name, prompts in sets.items():
             for temperature in (0.0, 0.8) if c1 else ():
                 one = asyncio.run(_c1(address, prompts, k, rounds, temperature))
@@ -214,14 +221,17 @@ def main() -> None:
     ap.add_argument("--quantization", default="none", help="the worker's --quantization (gguf: the file's blocks)")
     ap.add_argument("--c8-only", action="store_true", help="skip the c=1 points")
     ap.add_argument("--ceiling-only", action="store_true", help="only the c=8 ceiling (no server)")
+    ap.add_argument("--no-ceiling", action="store_true", help="skip the c=8 ceiling")
+    ap.add_argument("--draft", default="none", help="the worker's --speculative-draft (gguf: the file's own blocks)")
     args = ap.parse_args()
     flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     isa = " ".join(f for f in flags.split() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
     print(f"CPU flags: {isa}")
     if not args.ceiling_only:
-        for line in served(args.model, args.dtype, args.k, args.rounds, not args.c8_only, args.quantization):
+        c1 = not args.c8_only
+        for line in served(args.model, args.dtype, args.k, args.rounds, c1, args.quantization, args.draft):
             print(line, flush=True)
-    for line in ceiling(args.model, args.dtype, args.quantization, args.k):
+    for line in [] if args.no_ceiling else ceiling(args.model, args.dtype, args.quantization, args.k):
         print(line, flush=True)
 
 

@@ -12,11 +12,21 @@ from pdserve.metrics_server import BATCH_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 
 # prompt tokens whose KV the prefix cache held, neither computed here (local prefill, recompute) nor received (a
 # prompt's blocks that landed for an earlier request, such as another choice of it)
-PREFIX_CACHE_HITS = (
+DECODE_COUNTERS = (
     (
         "prefix_cache_hit_tokens",
         "Prompt tokens whose KV the prefix cache held: not computed here, not received from a prefill worker.",
         lambda s: s.prefix_hit_tokens,
+    ),
+    (
+        "speculative_draft_proposed_tokens",
+        "Guessed tokens checked that the draft model guessed (--speculative-draft; the rest are prompt lookup's).",
+        lambda s: s.speculative_drafted_total,
+    ),
+    (
+        "speculative_draft_accepted_tokens",
+        "Of the draft model's guessed tokens, those kept.",
+        lambda s: s.speculative_draft_accepted_total,
     ),
 )
 
@@ -66,7 +76,7 @@ class DecodeMetrics:
             registry=r,
         )
         self.transfer = TransferMetrics(sent=False, registry=r)
-        self.engine_counters = EngineCounters("decode", r, PREFIX_CACHE_HITS)
+        self.engine_counters = EngineCounters("decode", r, DECODE_COUNTERS)
         self.running = Gauge("pdserve_decode_requests_running", "Sequences in the running batch.", registry=r)
         self.waiting = Gauge("pdserve_decode_requests_waiting", "Requests waiting for blocks or prefill.", registry=r)
         self.kv_blocks = Gauge("pdserve_decode_kv_blocks", "KV blocks by state.", ["state"], registry=r)

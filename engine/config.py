@@ -124,4 +124,5 @@ class EngineConfig:
     activations: str = "q8"  # with quantized weights: q8 (integer products, int8 activations) or exact
     fused_decode_layers: bool = True  # bf16 on CPU, packed weights: a decode step's layers one C call each
     speculative_tokens: int = 0  # decode: tokens guessed by prompt lookup and checked per step (0: off)
+    speculative_draft: str = "none"  # decode: a draft model guesses too, the model in this weight format (CPU)
     fused_elementwise: bool = True  # CPU: C bf16 RMSNorm, rope, SiLU-and-mul, and greedy argmax (False: torch)

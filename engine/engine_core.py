@@ -23,6 +23,7 @@ import torch
 
 from pdserve.engine.block_allocator import BlockAllocator, CacheListener
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.draft_model import DraftModel
 from pdserve.engine.errors import SamplingError
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.model import LlamaForCausalLM
@@ -38,6 +39,7 @@ from pdserve.kernels.kv_layout import KVLayout
 log = logging.getLogger(__name__)
 
 RECHECK_EVERY = 16  # after this many steps in a row with guesses left unchecked, one step checks one more
+RECHECK_DRAFTED_EVERY = 64  # the same, where that guess is the draft model's to make
 
 
 @dataclass
@@ -88,6 +90,8 @@ class EngineStats:
     preemptions_total: int
     speculative_proposed_total: int = 0  # tokens guessed by prompt lookup and checked
     speculative_accepted_total: int = 0  # of those, kept
+    speculative_drafted_total: int = 0  # of the proposed, guessed by the draft model
+    speculative_draft_accepted_total: int = 0  # of those, kept
     grammar_compiles_total: int = 0  # constraints compiled here (not found among the recently compiled)
     grammar_cache_hits_total: int = 0  # constrained requests that started from a recently compiled constraint
     grammar_compile_seconds_total: float = 0.0
@@ -120,8 +124,11 @@ class EngineCore:
         self._abort_after_step: set[Sequence] = set()
         self.num_preemptions = 0
         self.speculative_tokens = cfg.speculative_tokens
+        self.draft_model = DraftModel.from_config(cfg, self.runner) if cfg.speculative_draft != "none" else None
         self.num_proposed = 0
         self.num_accepted = 0
+        self.num_drafted = 0
+        self.num_draft_accepted = 0
         self._trimmed_steps = 0  # steps in a row whose guesses the cost model trimmed
 
     # ---- requests ------------------------------------------------------------------------------------------
@@ -236,7 +243,7 @@ class EngineCore:
         """Guess the next tokens of every sequence that speculates and is about to sample (`engine.speculation`),
         then keep the guesses worth their rows in this step."""
         base = 0
-        chances: list[tuple[float, Sequence]] = []
+        chances: list[tuple[float, int, Sequence]] = []  # (chance of being kept, draft depth or 0, whose)
         for seq in self.scheduler.running:
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             base += remaining
@@ -246,30 +253,45 @@ class EngineCore:
                 k = self.speculative_tokens if k is None else k
                 if k <= 0 or seq.prefill_only:
                     continue
-                spec = seq.speculation = Speculation(k)
+                spec = seq.speculation = Speculation(k, drafts=self.draft_model is not None and seq.grammar is None)
             if remaining != 1:
                 continue
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
             draft = spec.propose(seq.token_ids, room)
             if draft and seq.grammar is not None:
                 del draft[seq.grammar.valid_prefix(draft) :]
-            chances.extend((spec.acceptance ** (j + 1), seq) for j in range(len(draft)))
+            drafted = spec.to_draft
+            chances.extend((spec.acceptance ** (j + 1), j + 1 if drafted else 0, seq) for j in range(len(draft)))
         if not chances:
             return
         chances.sort(key=lambda c: -c[0])
-        keep = worth_checking(base, [c for c, _ in chances], self.runner.step_cost)
+        keep = worth_checking(
+            base,
+            [c for c, _, _ in chances],
+            self.runner.step_cost,
+            [depth for _, depth, _ in chances],
+            self.draft_model.step_cost if self.draft_model is not None else None,
+        )
         self._trimmed_steps = self._trimmed_steps + 1 if keep < len(chances) else 0
-        if self._trimmed_steps >= RECHECK_EVERY:  # a cost measured in a busy moment must not stop speculation:
-            keep, self._trimmed_steps = keep + 1, 0  # one more row now and then measures that step size again
+        # a cost measured in a busy moment must not stop speculation: one more row now and then measures that step
+        # size again (less often where that row costs a draft model's forward)
+        if keep < len(chances) and self._trimmed_steps >= (
+            RECHECK_DRAFTED_EVERY if chances[keep][1] else RECHECK_EVERY
+        ):
+            keep, self._trimmed_steps = keep + 1, 0
         keep = min(keep, self.runner.rows_beside(base) - base)  # past it the kernels sum a row in another order
         kept: dict[Sequence, int] = {}
-        for _, seq in chances[:keep]:
+        for _, _, seq in chances[:keep]:
             kept[seq] = kept.get(seq, 0) + 1
-        for _, seq in chances[keep:]:
+        for _, _, seq in chances[keep:]:
             del seq.draft[kept.get(seq, 0) :]
 
     def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> list[Samples]:
-        """The forward and the sampling (the part that may run on another thread)."""
+        """The draft model's guesses, then the forward and the sampling (the part that may run on another thread)."""
+        if self.draft_model is not None:
+            drafting = [s for s in batch.seqs if s.speculation is not None and s.speculation.to_draft]
+            if drafting:
+                self.draft_model.guess(drafting)
         return self.runner.execute(batch, layer_hook)
 
     def update(self, batch: ScheduledBatch, samples: list[Samples]) -> list[StepOutput]:
@@ -284,6 +306,9 @@ class EngineCore:
                 batch.num_new_tokens[i] = len(sample)
                 self.num_proposed += len(spec.draft)
                 self.num_accepted += len(sample) - 1
+                if spec.to_draft:
+                    self.num_drafted += len(spec.draft)
+                    self.num_draft_accepted += len(sample) - 1
                 spec.settle(len(sample) - 1)
             else:
                 spec.draft = []
@@ -381,6 +406,8 @@ class EngineCore:
             preemptions_total=self.num_preemptions,
             speculative_proposed_total=self.num_proposed,
             speculative_accepted_total=self.num_accepted,
+            speculative_drafted_total=self.num_drafted,
+            speculative_draft_accepted_total=self.num_draft_accepted,
             grammar_compiles_total=g.compiles if g else 0,
             grammar_cache_hits_total=g.hits if g else 0,
             grammar_compile_seconds_total=g.compile_seconds if g else 0.0,

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,6 +44,46 @@ class BatchInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
     sample_rows: list[int]  # which batch entry each of those rows belongs to (several for a speculating one)
+
+
+def cpu_formats(
+    model: LlamaForCausalLM, cfg: EngineConfig, quantization: str, dtype: torch.dtype, gguf: Path | None
+) -> tuple[quant_linear.CpuLinear | None, cpu_elementwise.CpuElementwise | None]:
+    """Put a CPU model's linears in `quantization`'s format and its element-wise steps on the C kernels where they
+    run (logged); the kernel libraries it loaded."""
+    wants_kernels = quantization != "none" or dtype == torch.bfloat16
+    kernels = quant_linear.load(cache_dir() / "kernels") if wants_kernels else None
+    log.info("%s", weight_format.apply(model, quantization, dtype, kernels, gguf, cfg.activations))
+    log.info("%s", weights_into_huge_pages(model).describe())
+    ops = cpu_elementwise.load(cache_dir() / "kernels") if cfg.fused_elementwise else None
+    if ops is not None and dtype == torch.bfloat16:
+        model.use_ops(ops.rms_norm, ops.apply_rope, ops.silu_and_mul)
+        log.info("element-wise steps: one-pass C kernels (%s)", cpu_elementwise.SOURCE.name)
+    return kernels, ops
+
+
+def fuse_decode_layers(model: LlamaForCausalLM, backend: str, kv_cache: torch.Tensor) -> str:
+    """Bind `model`'s pure decode steps to the C layer stack where everything it runs is what the eager layers would
+    run (cpu_linear.c, the C element-wise ops, the C attention); say which."""
+    eager = "layer by layer in torch and ctypes calls ({})".format
+    weights = model.layer_weights()
+    if isinstance(weights, str):
+        return eager(weights)
+    if backend != "cpu":
+        return eager(f"attention backend {backend}")
+    shape = model.layer_shape()
+    why = shape.unsupported() or next(filter(None, (w.unsupported(shape) for w in weights)), None)
+    if why is not None:
+        return eager(why)
+    lib = cpu_decoder_layer.load(cache_dir() / "kernels")
+    if lib is None:
+        return eager(f"{cpu_decoder_layer.SOURCE.name} not built")
+    max_rows = min(lin.bf16_rows for w in weights for lin in (w.qkv, w.o, w.gate_up, w.down))  # bf16 rows
+    layers = cpu_decoder_layer.DecodeLayers(lib, shape, weights, max_rows)
+    if not layers.supports_cache(kv_cache):
+        return eager("a KV cache the C layer does not take")
+    model.decode_layers = layers
+    return f"the layer stack in one C call ({cpu_decoder_layer.SOURCE.name}) for up to {max_rows} rows"
 
 
 class ModelRunner:
@@ -116,15 +157,7 @@ class ModelRunner:
         ops: cpu_elementwise.CpuElementwise | None = None
         if device.type == "cpu":
             log.info("CPU level %s (%s)", cpu_isa.level(), f"capped by {cpu_isa.ENV}" if cpu_isa.cap() else "detected")
-            wants_kernels = cfg.quantization != "none" or dtype == torch.bfloat16
-            kernels = quant_linear.load(cache_dir() / "kernels") if wants_kernels else None
-            log.info("%s", weight_format.apply(model, cfg.quantization, dtype, kernels, gguf, cfg.activations))
-            log.info("%s", weights_into_huge_pages(model).describe())
-        if device.type == "cpu" and cfg.fused_elementwise:
-            ops = cpu_elementwise.load(cache_dir() / "kernels")
-            if ops is not None and dtype == torch.bfloat16:
-                model.use_ops(ops.rms_norm, ops.apply_rope, ops.silu_and_mul)
-                log.info("element-wise steps: one-pass C kernels (%s)", cpu_elementwise.SOURCE.name)
+            kernels, ops = cpu_formats(model, cfg, cfg.quantization, dtype, gguf)
         layout = plan_kv_cache(
             model.config,
             dtype,
@@ -145,31 +178,8 @@ class ModelRunner:
             runner.sampler.argmax = ops.argmax
             log.info("greedy sampling: argmax_rows (%s)", cpu_elementwise.SOURCE.name)
         if ops is not None and dtype == torch.bfloat16 and kernels is not None and cfg.fused_decode_layers:
-            log.info("decode steps: %s", runner._fuse_decode_layers())
+            log.info("decode steps: %s", fuse_decode_layers(runner.model, runner.backend.name, runner.kv_cache))
         return runner
-
-    def _fuse_decode_layers(self) -> str:
-        """Bind pure decode steps to the C layer stack where everything it runs is what the eager layers would
-        run (cpu_linear.c, the C element-wise ops, the C attention); say which."""
-        eager = "layer by layer in torch and ctypes calls ({})".format
-        weights = self.model.layer_weights()
-        if isinstance(weights, str):
-            return eager(weights)
-        if self.backend.name != "cpu":
-            return eager(f"attention backend {self.backend.name}")
-        shape = self.model.layer_shape()
-        why = shape.unsupported() or next(filter(None, (w.unsupported(shape) for w in weights)), None)
-        if why is not None:
-            return eager(why)
-        lib = cpu_decoder_layer.load(cache_dir() / "kernels")
-        if lib is None:
-            return eager(f"{cpu_decoder_layer.SOURCE.name} not built")
-        max_rows = min(lin.bf16_rows for w in weights for lin in (w.qkv, w.o, w.gate_up, w.down))  # bf16 rows
-        layers = cpu_decoder_layer.DecodeLayers(lib, shape, weights, max_rows)
-        if not layers.supports_cache(self.kv_cache):
-            return eager("a KV cache the C layer does not take")
-        self.model.decode_layers = layers
-        return f"the layer stack in one C call ({cpu_decoder_layer.SOURCE.name}) for up to {max_rows} rows"
 
     def prepare(self, batch: ScheduledBatch) -> BatchInputs:
         """A speculating sequence's last token and its guesses go in as one-token queries of their own over its

@@ -1,10 +1,12 @@
-"""Speculative decoding by prompt lookup: guess a sequence's next tokens from its own text, check them in one step.
+"""Speculative decoding: guess a sequence's next tokens, by prompt lookup or a draft model, check them in one step.
 
 Decode on a CPU reads every weight once per step whatever the number of rows, so a step that checks a few guessed
 tokens of a sequence costs about what a step of one token costs. The guesses come from n-gram lookup (vLLM's
 "ngram", the prompt-lookup method): the last n tokens (n from `MAX_NGRAM` down to `MIN_NGRAM`) are looked up in the
 sequence's earlier text, prompt and output, and the tokens that followed their latest earlier occurrence are
-proposed. No second model runs.
+proposed. Where the worker has a draft model (`engine.draft_model`: the served model with cheaper weights), it
+guesses for the sequences that lookup finds nothing for, greedily, one forward per guess; the draft proposes a
+single token per position too, so everything below holds for its guesses as well.
 
 The step then has one row per guessed position (the model runner gives each its own query over the sequence's
 blocks), and the sampler picks a token at every row exactly as it would without speculation: row j sees the
@@ -26,6 +28,7 @@ the rows stay within the step's span of row counts whose arithmetic per row is t
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -64,13 +67,12 @@ class NgramIndex:
 
 
 @dataclass
-class Speculation:
-    """One sequence's speculation: its lookup index, how many tokens to guess next, and what it has guessed."""
+class Guesser:
+    """How one way of guessing has done for one sequence, and how many tokens it guesses next: after a step whose
+    guesses were all kept two more, after a refusal one more than were kept, never more than `max_tokens`."""
 
-    max_tokens: int  # the request's speculative_tokens
-    k: int = 0  # guesses for the next step
-    index: NgramIndex = field(default_factory=NgramIndex)
-    draft: list[int] = field(default_factory=list)  # the guesses the step in flight checks
+    max_tokens: int
+    k: int = 0
     proposed: int = 0
     accepted: int = 0
     refused: int = 0  # steps whose run of guesses ended at a guess its row did not pick
@@ -78,26 +80,83 @@ class Speculation:
     def __post_init__(self) -> None:
         self.k = self.k or self.max_tokens
 
-    def propose(self, tokens: list[int], room: int) -> list[int]:
-        """Guesses to follow `tokens`, at most `room` of them (what max_tokens and the context leave)."""
-        self.draft = self.index.propose(tokens, min(self.k, room))
-        return self.draft
-
-    def settle(self, kept: int) -> None:
-        """The step in flight kept `kept` of its guesses: count them and size the next guess."""
-        guessed = len(self.draft)
+    def settle(self, guessed: int, kept: int) -> None:
         if guessed:
             self.proposed += guessed
             self.accepted += kept
             self.refused += kept < guessed
             self.k = min(self.max_tokens, self.k + 2) if kept == guessed else kept + 1
-        self.draft = []
 
     @property
     def acceptance(self) -> float:
         """The estimated chance that a guess is kept when every guess before it was (Laplace's rule of succession
         over this sequence's checks so far)."""
         return (self.accepted + 1) / (self.accepted + self.refused + 2)
+
+
+TO_DRAFT = -1  # a guess the draft model is still to make (`engine.draft_model`), in the step being run
+
+
+@dataclass
+class Speculation:
+    """One sequence's speculation: its lookup index, how its two ways of guessing have done, and what it has guessed.
+    With a draft model (`drafts`) the model guesses where lookup finds nothing, or where lookup's guesses are kept
+    less often than the model's."""
+
+    max_tokens: int  # the request's speculative_tokens
+    drafts: bool = False
+    index: NgramIndex = field(default_factory=NgramIndex)
+    draft: list[int] = field(default_factory=list)  # the guesses the step in flight checks
+    lookup: Guesser = field(init=False)
+    model: Guesser = field(init=False)
+    source: Guesser | None = None  # which of the two guessed `draft`
+
+    def __post_init__(self) -> None:
+        self.lookup = Guesser(self.max_tokens)
+        self.model = Guesser(self.max_tokens)
+
+    def propose(self, tokens: list[int], room: int) -> list[int]:
+        """Guesses to follow `tokens`, at most `room` of them (what max_tokens and the context leave); the draft
+        model's are `TO_DRAFT` until it runs."""
+        found = self.index.propose(tokens, min(self.lookup.k, room))
+        if found and not (self.drafts and self.model.acceptance > self.lookup.acceptance):
+            self.draft, self.source = found, self.lookup
+        elif self.drafts and room > 0:
+            self.draft, self.source = [TO_DRAFT] * min(self.model.k, room), self.model
+        else:
+            self.draft, self.source = [], None
+        return self.draft
+
+    @property
+    def to_draft(self) -> bool:
+        """Its guesses in this step are the draft model's to make."""
+        return self.source is self.model and bool(self.draft)
+
+    def settle(self, kept: int) -> None:
+        """The step in flight kept `kept` of its guesses: count them and size the next guess."""
+        (self.source or self.lookup).settle(len(self.draft), kept)
+        self.draft, self.source = [], None
+
+    @property
+    def k(self) -> int:
+        return self.lookup.k
+
+    @property
+    def acceptance(self) -> float:
+        """The chance of a guess in flight (by whichever guessed it) being kept, when the ones before it were."""
+        return (self.source or self.lookup).acceptance
+
+    @property
+    def proposed(self) -> int:
+        return self.lookup.proposed + self.model.proposed
+
+    @property
+    def accepted(self) -> int:
+        return self.lookup.accepted + self.model.accepted
+
+    @property
+    def refused(self) -> int:
+        return self.lookup.refused + self.model.refused
 
 
 class StepCost:
@@ -135,29 +194,58 @@ class StepCost:
 
 def interpolate(known: dict[int, float], rows: int) -> float | None:
     """`StepCost.estimate` over one copy of what it knows."""
-    if rows in known:
-        return known[rows]
-    below = max((r for r in known if r < rows), default=None)
-    above = min((r for r in known if r > rows), default=None)
-    if below is None:
-        return None if above is None else known[above]
-    if above is None:
-        return known[below]
-    return known[below] + (known[above] - known[below]) * (rows - below) / (above - below)
+    return _Costs(known)(rows)
 
 
-def worth_checking(base_rows: int, chances: Sequence[float], cost: StepCost) -> int:
+class _Costs:
+    """`interpolate` over one copy, for the many row counts a step weighs (the keys sorted once)."""
+
+    def __init__(self, known: dict[int, float]) -> None:
+        self.known = known
+        self.rows = sorted(known)
+
+    def __call__(self, rows: int) -> float | None:
+        known, keys = self.known, self.rows
+        if rows in known:
+            return known[rows]
+        i = bisect.bisect(keys, rows)
+        if i == 0:
+            return known[keys[0]] if keys else None
+        if i == len(keys):
+            return known[keys[-1]]
+        below, above = keys[i - 1], keys[i]
+        return known[below] + (known[above] - known[below]) * (rows - below) / (above - below)
+
+
+def worth_checking(
+    base_rows: int,
+    chances: Sequence[float],
+    cost: StepCost,
+    depths: Sequence[int] = (),
+    draft_cost: StepCost | None = None,
+) -> int:
     """How many of the guess rows (their chances of being kept, best first) a step of `base_rows` rows should
     check: the number that maximises expected tokens per second by `cost`'s estimates; all of them while nothing
-    is measured."""
-    known = cost.known()  # one copy for every row count this step weighs
-    first = interpolate(known, base_rows)
+    is measured. `depths`, beside `chances`: 0 for a guess already made, j for the j-th guess a draft model is to
+    make for its sequence; the draft model runs one forward per depth over the sequences guessing that deep, at
+    what `draft_cost` says a forward of that many rows costs."""
+    step = _Costs(cost.known())  # one copy for every row count this step weighs
+    first = step(base_rows)
     if first is None:
         return len(chances)
-    best, best_rate, expected = 0, base_rows / first, float(base_rows)
+    draft = _Costs(draft_cost.known() if draft_cost is not None else {})
+    forward = [0.0]  # a draft forward's seconds by its rows, as far as needed
+    at_depth: dict[int, int] = {}
+    best, best_rate, expected, drafting = 0, base_rows / first, float(base_rows), 0.0
     for n, chance in enumerate(chances, 1):
         expected += chance
-        seconds = interpolate(known, base_rows + n) or first
+        depth = depths[n - 1] if depths else 0
+        if depth:
+            rows = at_depth[depth] = at_depth.get(depth, 0) + 1
+            if rows == len(forward):
+                forward.append(draft(rows) or 0.0)
+            drafting += forward[rows] - forward[rows - 1]
+        seconds = (step(base_rows + n) or first) + drafting
         if expected / seconds > best_rate:
             best, best_rate = n, expected / seconds
     return best

@@ -40,6 +40,14 @@ class EngineOptions:
         "in the same step; the output is what it would be without (0: off; a request's speculative_tokens overrides)",
         env=("PDSERVE_SPECULATIVE_TOKENS",),
     )
+    speculative_draft: str = option(
+        _ENGINE.speculative_draft,
+        "decode: a draft model guesses where prompt lookup finds nothing: the served model again with its linears "
+        "in this format (gguf: the .gguf file's own; q4_0, q8_0: quantized at load), reading the same KV cache; "
+        "none: lookup only. Guesses are checked as lookup's are, so the output is the same",
+        choices=("none", "gguf", "q4_0", "q8_0"),
+        env=("PDSERVE_SPECULATIVE_DRAFT",),
+    )
     block_size: int = option(_ENGINE.block_size, "tokens per KV-cache block")
     kv_cache_memory: int = option(_ENGINE.kv_cache_memory, "KV pool size per worker, e.g. 512M, 2G", parse=parse_size)
     max_num_seqs: int = option(_ENGINE.max_num_seqs, "sequences in one continuous batch at most")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore, StepOutput
@@ -62,6 +62,7 @@ class PrefillWorker:
         kv_plane: str = "auto",
     ) -> None:
         self.observer = observer or PrefillObserver()
+        cfg = replace(cfg, speculative_draft="none")  # a prefill worker samples one token: it never speculates
         self.loop = EngineLoop(lambda: EngineCore(cfg), self.role, layer_hooks=self._layer_hooks, on_step=self._on_step)
         self.core = self.loop.core
         self.model_name = self.core.model_config.name

@@ -25,9 +25,10 @@ def _texts(n: int, seed: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def stack():
-    """The decode worker speculates (prompt lookup, up to 4 guesses a step): every answer below must still be
-    transformers' greedy text, token for token."""
-    s = start_stack(decode_extra=["--speculative-tokens", "4"])
+    """The decode worker speculates (up to 4 guesses a step, by prompt lookup, and by a draft model, the GGUF's own
+    4-bit blocks, where lookup finds nothing): every answer below must still be transformers' greedy text, token for
+    token."""
+    s = start_stack(decode_extra=["--speculative-tokens", "4", "--speculative-draft", "gguf"])
     yield s
     s.stop()
 
@@ -75,6 +76,24 @@ async def test_the_decode_worker_speculates_on_repeated_text(stack, hf_model, to
     assert page[("pdserve_decode_speculative_accepted_tokens_total", frozenset())] - before > 0
     assert page[("pdserve_decode_speculative_acceptance_ratio_count", frozenset())] >= 1
     stack.wait_idle()
+
+
+async def test_the_decode_worker_drafts_where_there_is_nothing_to_look_up(stack, hf_model, tokenizer):
+    """Free text: the draft model guesses, its guesses are kept mostly, and the answer is transformers' greedy one."""
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    want = until_eos(hf_greedy(hf_model, tokenizer.apply_chat_template(messages), 48))
+    page = scrape(stack.metrics["decode"])
+    before = [page.get((f"pdserve_decode_speculative_draft_{n}_tokens_total", frozenset()), 0.0) for n in NAMES]
+    async with Client(stack.gateway) as client:
+        got = await client.complete(messages=messages, max_tokens=48, temperature=0.0)
+    assert got.token_ids == want
+    page = scrape(stack.metrics["decode"])
+    proposed, accepted = (page[(f"pdserve_decode_speculative_draft_{n}_tokens_total", frozenset())] for n in NAMES)
+    assert accepted - before[1] > (proposed - before[0]) / 2 > 0
+    stack.wait_idle()
+
+
+NAMES = ("proposed", "accepted")
 
 
 async def test_seeded_sampling_repeats(stack):

@@ -1,5 +1,5 @@
-"""Speculative decoding by prompt lookup: the guesses, their checking, and the tokens, which must be what they are
-without it (greedy and seeded draws alike), with every block handed back."""
+"""Speculative decoding by prompt lookup and by a draft model: the guesses, their checking, and the tokens, which must
+be what they are without it (greedy and seeded draws alike), with every block handed back."""
 
 from __future__ import annotations
 
@@ -13,14 +13,26 @@ from pdserve.engine.errors import InvalidParameter
 from pdserve.engine.grammar import Constraint
 from pdserve.engine.model_store import resolve_model
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.speculation import MAX_SPECULATIVE_TOKENS, NgramIndex, Speculation, StepCost, worth_checking
+from pdserve.engine.speculation import (
+    MAX_SPECULATIVE_TOKENS,
+    TO_DRAFT,
+    NgramIndex,
+    Speculation,
+    StepCost,
+    worth_checking,
+)
 
 
 def _engine(path, **kw) -> EngineCore:
     """Every guess proposed is checked (no step costs are recorded): tests check tokens, never timings."""
     engine = EngineCore(EngineConfig(model=str(path), **kw))
     engine.runner.step_cost.observe = lambda rows, seconds: None  # type: ignore[method-assign]
+    if engine.draft_model is not None:
+        engine.draft_model.step_cost.observe = lambda rows, seconds: None  # type: ignore[method-assign]
     return engine
+
+
+DRAFTS = ["none", "q8_0"]  # lookup alone; and a draft model where lookup finds nothing (the tiny model has no GGUF)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -93,6 +105,26 @@ def test_guesses_adapt_to_what_is_kept():
     assert spec.acceptance == pytest.approx(11 / 14)
 
 
+def test_the_draft_model_guesses_where_lookup_finds_nothing_or_is_kept_less_often():
+    spec = Speculation(4, drafts=True)
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3]
+    assert spec.propose(tokens, room=10) == [4, 5, 9, 2] and spec.source is spec.lookup and not spec.to_draft
+    spec.settle(4)
+    assert spec.propose([7, 8, 9], room=10) == [TO_DRAFT] * 4 and spec.to_draft
+    spec.settle(1)  # the model's first guess kept, its second refused: it guesses two next
+    assert (spec.model.k, spec.model.accepted, spec.lookup.k) == (2, 1, 4)
+    assert spec.propose([7, 8, 9, 10], room=1) == [TO_DRAFT]
+    spec.settle(0)
+    assert spec.propose([7, 8, 9, 10], room=0) == [] and spec.source is None
+    for _ in range(3):  # lookup's guesses refused at once, the model's kept: the model guesses even where lookup finds
+        spec.lookup.settle(4, 0)
+        spec.model.settle(2, 2)
+    assert spec.propose(tokens, room=10) == [TO_DRAFT] * spec.model.k
+    assert (spec.proposed, spec.accepted) == (spec.lookup.proposed + spec.model.proposed, 4 + 1 + 6)
+    plain = Speculation(4)  # no draft model: lookup or nothing
+    assert plain.propose([7, 8, 9], room=10) == [] and not plain.to_draft
+
+
 def test_a_step_checks_the_guesses_worth_their_rows():
     cost = StepCost()
     assert cost.estimate(4) is None
@@ -116,6 +148,26 @@ def test_a_step_checks_the_guesses_worth_their_rows():
     assert worth_checking(8, [0.99] * 8, cost) == 8
 
 
+def test_a_drafted_guess_costs_its_share_of_a_draft_forward():
+    """Guess j of a sequence whose guesses a draft model makes needs the draft's j-th forward, which every sequence
+    guessing that deep shares: a step keeps the guesses worth the target's rows and the draft's forwards."""
+    cost, draft = StepCost(), StepCost()
+    for rows in range(1, 17):
+        cost.observe(rows, 10e-3)  # the target's rows are free up to 16
+    draft.observe(1, 5e-3)
+    draft.observe(2, 5.5e-3)
+    chances = [0.9, 0.81, 0.73, 0.66]
+    assert worth_checking(1, chances, cost) == 4  # already made: every guess pays
+    # drafted: 1.9 tokens / 15 ms, 2.71 / 20, 3.44 / 25 (best), 4.1 / 30
+    assert worth_checking(1, chances, cost, [1, 2, 3, 4], draft) == 3
+    slow = StepCost()
+    slow.observe(1, 20e-3)
+    assert worth_checking(1, chances, cost, [1, 2, 3, 4], slow) == 0  # a draft dearer than what it saves
+    # two sequences' first guesses share one forward (5.5 ms): (2 + 1.8) / 15.5 ms beats (2 + 0.9) / 15 ms
+    assert worth_checking(2, [0.9, 0.9], cost, [1, 1], draft) == 2
+    assert worth_checking(1, chances, cost, [1, 2, 3, 4], StepCost()) == 4  # the draft not measured yet: free
+
+
 def test_speculative_tokens_is_checked():
     SamplingParams(speculative_tokens=0).validate()
     SamplingParams(speculative_tokens=MAX_SPECULATIVE_TOKENS).validate()
@@ -128,18 +180,32 @@ def test_speculative_tokens_is_checked():
 # ---- the tokens: what they are without speculation -----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("draft", DRAFTS)
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_greedy_tokens_are_those_without_speculation(tiny_model_dir, block_size):
+def test_greedy_tokens_are_those_without_speculation(tiny_model_dir, block_size, draft):
     prompts = _prompts(12, seed=1)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = _run(_engine(tiny_model_dir, num_blocks=256, block_size=block_size), prompts, params)
-    engine = _engine(tiny_model_dir, num_blocks=256, block_size=block_size, speculative_tokens=6)
-    assert _run(engine, prompts, params) == plain
+    engine = _engine(
+        tiny_model_dir, num_blocks=256, block_size=block_size, speculative_tokens=6, speculative_draft=draft
+    )
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_work:
+        engine.step()
+        engine.allocator.check_invariants()
+    assert [(s.output_ids, s.finish_reason) for s in seqs] == plain
+    assert engine.allocator.num_used_blocks == 0
     assert engine.num_proposed > 0 and 0 < engine.num_accepted <= engine.num_proposed
     assert engine.stats().speculative_accepted_total == engine.num_accepted
+    drafted = [s.speculation.model for s in seqs if s.speculation is not None]
+    if draft == "none":
+        assert all(m.proposed == 0 for m in drafted)
+    else:  # the noise prompts have nothing to look up: the draft guessed for them, and was mostly right
+        assert sum(m.accepted for m in drafted) > sum(m.proposed for m in drafted) / 2
 
 
-def test_seeded_draws_are_those_without_speculation(tiny_model_dir):
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_seeded_draws_are_those_without_speculation(tiny_model_dir, draft):
     """A kept guess is the token the row drew with the uniform of its output position, so a seed gives the same
     tokens: top-k, top-p, min-p, penalties, min_tokens and logprobs included."""
     prompts = _prompts(10, seed=2)
@@ -160,7 +226,7 @@ def test_seeded_draws_are_those_without_speculation(tiny_model_dir):
         for i in range(len(prompts))
     ]
     plain_engine = _engine(tiny_model_dir, num_blocks=256, block_size=4)
-    spec_engine = _engine(tiny_model_dir, num_blocks=256, block_size=4, speculative_tokens=5)
+    spec_engine = _engine(tiny_model_dir, num_blocks=256, block_size=4, speculative_tokens=5, speculative_draft=draft)
     plain_seqs = [plain_engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     spec_seqs = [spec_engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     logprobs: dict[tuple[int, int], list] = {}
@@ -182,7 +248,8 @@ def test_seeded_draws_are_those_without_speculation(tiny_model_dir):
     assert spec_engine.allocator.num_used_blocks == 0
 
 
-def test_stops_and_limits_end_a_run_of_kept_guesses(tiny_model_dir):
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_stops_and_limits_end_a_run_of_kept_guesses(tiny_model_dir, draft):
     """A kept guess that is a stop token, or that reaches max_tokens, ends the sequence there: nothing after it is
     returned."""
     prompts = _prompts(8, seed=3)
@@ -194,7 +261,7 @@ def test_stops_and_limits_end_a_run_of_kept_guesses(tiny_model_dir):
         for out, _ in free
     ]
     plain = _run(plain_engine, prompts, params)
-    spec_engine = _engine(tiny_model_dir, num_blocks=256, block_size=4, speculative_tokens=8)
+    spec_engine = _engine(tiny_model_dir, num_blocks=256, block_size=4, speculative_tokens=8, speculative_draft=draft)
     assert _run(spec_engine, prompts, params) == plain
     assert all(reason == "stop" for _, reason in plain)
     for n in (1, 2, 7):
@@ -224,21 +291,30 @@ def test_requests_that_do_and_do_not_speculate_share_steps(tiny_model_dir):
             assert (seq.speculation is not None) == speculates
 
 
-def test_a_small_pool_preempts_and_trims_guesses_and_stays_exact(tiny_model_dir):
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_a_small_pool_preempts_and_trims_guesses_and_stays_exact(tiny_model_dir, draft):
     """Guesses take only blocks that are free: they never preempt anyone, and a preempted sequence drops them."""
     prompts = _prompts(8, seed=6)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = _run(_engine(tiny_model_dir, num_blocks=256, block_size=4), prompts, params)
-    engine = _engine(tiny_model_dir, num_blocks=48, block_size=4, speculative_tokens=8)
+    engine = _engine(tiny_model_dir, num_blocks=48, block_size=4, speculative_tokens=8, speculative_draft=draft)
     assert _run(engine, prompts, params) == plain
     assert engine.num_preemptions > 0 and engine.num_accepted > 0
 
 
-def test_a_tight_token_budget_trims_guesses(tiny_model_dir):
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_a_tight_token_budget_trims_guesses(tiny_model_dir, draft):
     prompts = _prompts(6, seed=7)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain = _run(_engine(tiny_model_dir, num_blocks=256, block_size=4, max_num_batched_tokens=9), prompts, params)
-    engine = _engine(tiny_model_dir, num_blocks=256, block_size=4, max_num_batched_tokens=9, speculative_tokens=8)
+    engine = _engine(
+        tiny_model_dir,
+        num_blocks=256,
+        block_size=4,
+        max_num_batched_tokens=9,
+        speculative_tokens=8,
+        speculative_draft=draft,
+    )
     seqs = [engine.add_request(p, params) for p in prompts]
     while engine.has_work:
         batch = engine.schedule()
@@ -273,7 +349,9 @@ def test_an_aborted_sequence_with_guesses_in_flight_hands_back_its_blocks(tiny_m
 @pytest.fixture(scope="module")
 def builtin():
     path = resolve_model("default")
-    return path, {k: _engine(path, dtype="bfloat16", speculative_tokens=k) for k in (0, 6)}
+    engines = {k: _engine(path, dtype="bfloat16", speculative_tokens=k) for k in (0, 6)}
+    engines[-1] = _engine(path, dtype="bfloat16", speculative_tokens=4, speculative_draft="gguf")
+    return path, engines
 
 
 def _chat(path, text: str) -> list[int]:
@@ -324,6 +402,43 @@ def test_builtin_model_bf16_greedy_is_the_same_with_guesses_in_the_step(builtin)
     assert _run(engines[6], prompts, params) == plain
     if _room_for_guesses(engines[6], len(prompts)):
         assert engines[6].num_accepted - before >= 16
+
+
+def test_builtin_model_gguf_draft_guesses_free_text_and_keeps_the_tokens(builtin):
+    """The draft (the GGUF's own 4-bit blocks, over the bf16 target's KV cache) guesses text with nothing to look up;
+    the target's tokens, greedy and seeded, are what they are without it. (Seeded draws are compared between engines
+    with the same history: a prompt whose KV came from the prefix cache, computed in a step of other rows, may
+    differ in its last bits, which a draw can notice and a greedy pick seldom does.)"""
+    path, engines = builtin
+    prompts = [_chat(path, "Write a short poem about the sea."), _chat(path, "Why is the sky blue?")]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    plain_engine = _engine(path, dtype="bfloat16")  # the same history as the drafting engine: the same cached KV
+    plain = _run(plain_engine, prompts, params)
+    drafting = engines[-1]
+    seqs = [drafting.add_request(p, params) for p in prompts]
+    while drafting.has_work:
+        for out in drafting.step():
+            assert out.error is None, out.error
+    assert [(s.output_ids, s.finish_reason) for s in seqs] == plain
+    assert drafting.allocator.num_used_blocks == 0
+    if _room_for_guesses(drafting, len(prompts)):
+        model = [s.speculation.model for s in seqs if s.speculation is not None]
+        assert sum(m.accepted for m in model) >= 24  # the same weights in 4 bits mostly pick the target's tokens
+    seeded = SamplingParams(max_tokens=32, temperature=0.8, seed=11)
+    assert _run(drafting, prompts, seeded) == _run(plain_engine, prompts, seeded)
+
+
+def test_a_draft_model_must_have_the_targets_shape(builtin, tiny_model_dir):
+    from pdserve.engine.draft_model import DraftModel
+
+    _, engines = builtin
+    tiny = _engine(tiny_model_dir, num_blocks=16)
+    with pytest.raises(ValueError, match="shape"):
+        DraftModel(tiny.runner.model, engines[0].runner)
+    with pytest.raises(ValueError, match="gguf"):
+        _engine(tiny_model_dir, num_blocks=16, speculative_draft="gguf")  # no GGUF behind the tiny model
+    with pytest.raises(ValueError, match="speculative_draft"):
+        _engine(tiny_model_dir, num_blocks=16, speculative_draft="fp8")
 
 
 def test_a_grammar_masks_each_guess_row_from_the_state_after_the_guesses_before(builtin):

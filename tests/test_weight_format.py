@@ -142,6 +142,13 @@ def test_gguf_needs_a_gguf_model_and_a_cpu(tiny_model_dir):
     assert cfg.quantization == "q8_0"
     with pytest.raises(ValueError, match="not one of"):
         EngineCore(EngineConfig(model=str(tiny_model_dir), kv_cache_memory=8 << 20, quantization="q3_k"))
+    # a draft model's weights are checked the same way, under its own flag's name
+    with pytest.raises(CLIError, match="--speculative-draft gguf needs a model that is a .gguf file"):
+        engine_config(EngineOptions(model=str(tiny_model_dir), speculative_draft="gguf", kv_cache_memory=8 << 20))
+    with pytest.raises(CLIError, match="--speculative-draft q4_0 runs on a CPU only"):
+        engine_config(EngineOptions(model=str(tiny_model_dir), speculative_draft="q4_0", device="cuda"))
+    cfg = engine_config(EngineOptions(model="default", speculative_draft="gguf", kv_cache_memory=8 << 20))
+    assert cfg.speculative_draft == "gguf"
 
 
 def test_the_flag_reaches_every_command():

@@ -176,14 +176,14 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
-def check_quantization(quantization: str, device: str, path: str, model: str) -> None:
+def check_quantization(quantization: str, device: str, path: str, model: str, flag: str = "--quantization") -> None:
     """CLIError for weights a worker could not hold: quantized on a GPU, or `gguf` for a model not from a GGUF."""
     from pdserve.engine.model_store import gguf_source
 
     if quantization != "none" and device != "cpu":
-        raise CLIError(f"--quantization {quantization} runs on a CPU only; with --device {device} use none")
+        raise CLIError(f"{flag} {quantization} runs on a CPU only; with --device {device} use none")
     if quantization == "gguf" and gguf_source(Path(path)) is None:
-        raise CLIError(f"--quantization gguf needs a model that is a .gguf file (or 'default'); {model!r} is not")
+        raise CLIError(f"{flag} gguf needs a model that is a .gguf file (or 'default'); {model!r} is not")
 
 
 def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
@@ -206,6 +206,8 @@ def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= options.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise CLIError(f"--speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]")
+    if options.speculative_draft != "none":
+        check_quantization(options.speculative_draft, options.device, path, options.model, "--speculative-draft")
     if options.max_model_len is not None and options.max_model_len < 1:
         raise CLIError("--max-model-len must be >= 1 (leave it out for the model's own context length)")
     free = available_memory()
@@ -235,6 +237,7 @@ def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
         quantization=options.quantization,
         activations=options.activations,
         speculative_tokens=options.speculative_tokens,
+        speculative_draft=options.speculative_draft,
     )
 
 
