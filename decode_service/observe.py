@@ -97,7 +97,12 @@ class RequestWatch:
                     "pdserve.completion_tokens": seq.num_output_tokens,
                     "pdserve.finish_reason": seq.finish_reason or status,
                     **(
-                        {"pdserve.speculative.proposed": proposed, "pdserve.speculative.accepted": accepted}
+                        {
+                            "pdserve.speculative.proposed": proposed,
+                            "pdserve.speculative.accepted": accepted,
+                            "pdserve.speculative.drafted": spec.model.proposed,
+                            "pdserve.speculative.draft_accepted": spec.model.accepted,
+                        }
                         if spec is not None
                         else {}
                     ),

@@ -244,6 +244,7 @@ class EngineCore:
         then keep the guesses worth their rows in this step."""
         base = 0
         chances: list[tuple[float, int, Sequence]] = []  # (chance of being kept, draft depth or 0, whose)
+        price = self._draft_price()
         for seq in self.scheduler.running:
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             base += remaining
@@ -257,7 +258,7 @@ class EngineCore:
             if remaining != 1:
                 continue
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
-            draft = spec.propose(seq.token_ids, room)
+            draft = spec.propose(seq.token_ids, room, price)
             if draft and seq.grammar is not None:
                 del draft[seq.grammar.valid_prefix(draft) :]
             drafted = spec.to_draft
@@ -285,6 +286,13 @@ class EngineCore:
             kept[seq] = kept.get(seq, 0) + 1
         for _, _, seq in chances[keep:]:
             del seq.draft[kept.get(seq, 0) :]
+
+    def _draft_price(self) -> float:
+        """A one-row draft forward's cost over a one-row step's, as measured here (0 while either is not)."""
+        if self.draft_model is None:
+            return 0.0
+        draft, step = self.draft_model.step_cost.estimate(1), self.runner.step_cost.estimate(1)
+        return draft / step if draft and step else 0.0
 
     def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> list[Samples]:
         """The draft model's guesses, then the forward and the sampling (the part that may run on another thread)."""

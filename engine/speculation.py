@@ -115,14 +115,21 @@ class Speculation:
         self.lookup = Guesser(self.max_tokens)
         self.model = Guesser(self.max_tokens)
 
-    def propose(self, tokens: list[int], room: int) -> list[int]:
+    def propose(self, tokens: list[int], room: int, draft_price: float = 0.0) -> list[int]:
         """Guesses to follow `tokens`, at most `room` of them (what max_tokens and the context leave); the draft
-        model's are `TO_DRAFT` until it runs."""
+        model's are `TO_DRAFT` until it runs. Where lookup finds some, the draft model guesses instead only if its
+        guesses are expected to make more tokens per step time: each costs a draft forward, `draft_price` of a
+        one-row step (0 while unmeasured), where lookup's are free but for their rows."""
         found = self.index.propose(tokens, min(self.lookup.k, room))
-        if found and not (self.drafts and self.model.acceptance > self.lookup.acceptance):
+        drafted = min(self.model.k, room) if self.drafts else 0
+        if found and drafted:
+            by_lookup = _expected(self.lookup.acceptance, len(found))
+            if _expected(self.model.acceptance, drafted) / (1 + drafted * draft_price) <= by_lookup:
+                drafted = 0
+        if drafted:
+            self.draft, self.source = [TO_DRAFT] * drafted, self.model
+        elif found:
             self.draft, self.source = found, self.lookup
-        elif self.drafts and room > 0:
-            self.draft, self.source = [TO_DRAFT] * min(self.model.k, room), self.model
         else:
             self.draft, self.source = [], None
         return self.draft
@@ -157,6 +164,11 @@ class Speculation:
     @property
     def refused(self) -> int:
         return self.lookup.refused + self.model.refused
+
+
+def _expected(acceptance: float, guesses: int) -> float:
+    """Tokens a step gives a sequence with `guesses` guesses each kept with `acceptance` after the ones before."""
+    return sum(acceptance**j for j in range(guesses + 1))
 
 
 class StepCost:

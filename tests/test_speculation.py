@@ -105,7 +105,7 @@ def test_guesses_adapt_to_what_is_kept():
     assert spec.acceptance == pytest.approx(11 / 14)
 
 
-def test_the_draft_model_guesses_where_lookup_finds_nothing_or_is_kept_less_often():
+def test_the_draft_model_guesses_where_lookup_finds_nothing_or_is_expected_to_make_fewer_tokens():
     spec = Speculation(4, drafts=True)
     tokens = [1, 2, 3, 4, 5, 9, 2, 3]
     assert spec.propose(tokens, room=10) == [4, 5, 9, 2] and spec.source is spec.lookup and not spec.to_draft
@@ -120,6 +120,10 @@ def test_the_draft_model_guesses_where_lookup_finds_nothing_or_is_kept_less_ofte
         spec.lookup.settle(4, 0)
         spec.model.settle(2, 2)
     assert spec.propose(tokens, room=10) == [TO_DRAFT] * spec.model.k
+    spec.settle(0)
+    # but where a draft forward costs as much as a step, lookup's free guesses win even kept less often
+    assert spec.propose(tokens, room=10, draft_price=1.0) == [4] and spec.source is spec.lookup  # lookup.k is 1
+    spec.settle(0)
     assert (spec.proposed, spec.accepted) == (spec.lookup.proposed + spec.model.proposed, 4 + 1 + 6)
     plain = Speculation(4)  # no draft model: lookup or nothing
     assert plain.propose([7, 8, 9], room=10) == [] and not plain.to_draft
