@@ -206,8 +206,7 @@ def engine_config(options: EngineOptions, copies: int = 1) -> EngineConfig:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= options.speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise CLIError(f"--speculative-tokens must be in [0, {MAX_SPECULATIVE_TOKENS}]")
-    if options.speculative_draft != "none":
-        check_quantization(options.speculative_draft, options.device, path, options.model, "--speculative-draft")
+    check_quantization(options.speculative_draft, options.device, path, options.model, "--speculative-draft")
     if options.max_model_len is not None and options.max_model_len < 1:
         raise CLIError("--max-model-len must be >= 1 (leave it out for the model's own context length)")
     free = available_memory()
