@@ -100,8 +100,8 @@ TO_DRAFT = -1  # a guess the draft model is still to make (`engine.draft_model`)
 @dataclass
 class Speculation:
     """One sequence's speculation: its lookup index, how its two ways of guessing have done, and what it has guessed.
-    With a draft model (`drafts`) the model guesses where lookup finds nothing, or where lookup's guesses are kept
-    less often than the model's."""
+    With a draft model (`drafts`) the model guesses where lookup finds nothing, or where its guesses are expected to
+    make more tokens per step time than lookup's (`propose`)."""
 
     max_tokens: int  # the request's speculative_tokens
     drafts: bool = False
