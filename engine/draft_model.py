@@ -22,6 +22,7 @@ import torch
 
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig, parse_dtype
+from pdserve.engine.grammar import allowed_tokens
 from pdserve.engine.model import LlamaForCausalLM, load_model
 from pdserve.engine.model_runner import ModelRunner, cpu_formats, fuse_decode_layers
 from pdserve.engine.model_store import gguf_source, resolve_model
@@ -66,8 +67,10 @@ class DraftModel:
     @torch.inference_mode()
     def guess(self, seqs: Seq[Sequence]) -> None:
         """Replace every `TO_DRAFT` guess of `seqs` (each about to sample its next token, with blocks for its
-        guesses) by the draft's greedy token, one forward per guess position over the sequences guessing that far."""
+        guesses) by the draft's greedy token, one forward per guess position over the sequences guessing that far;
+        a constrained sequence's guesses end early where its grammar allows nothing more."""
         bs = self.target.layout.block_size
+        states = {s: s.grammar.fork(()) for s in seqs if s.grammar is not None}
         depth = 0
         while rows := [s for s in seqs if len(s.draft) > depth]:
             start = time.perf_counter()
@@ -92,9 +95,25 @@ class DraftModel:
                 meta,
                 self.target.backend,
             )
-            picks = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
-            for s, token in zip(rows, picks):
+            logits = self.model.compute_logits(hidden)
+            picks: list[int] = logits.argmax(dim=-1).tolist()
+            ended: set[int] = set()  # rows whose grammar allows nothing more: their guesses end here
+            refused = [i for i, s in enumerate(rows) if s in states and not states[s].allows(picks[i])]
+            if refused:  # a constrained guess is the best token its grammar allows after the guesses before it
+                allowed = torch.from_numpy(allowed_tokens([states[rows[i]] for i in refused], logits.shape[-1]))
+                masked = logits[refused].float().masked_fill(~allowed, float("-inf"))
+                finite = torch.isfinite(masked.amax(-1)).tolist()
+                for i, token, ok in zip(refused, masked.argmax(-1).tolist(), finite):
+                    picks[i] = token
+                    if not ok:
+                        ended.add(i)
+            for i, (s, token) in enumerate(zip(rows, picks)):
                 assert s.draft[depth] == TO_DRAFT, "a draft model fills only the guesses left to it"
+                if i in ended:
+                    del s.draft[depth:]
+                    continue
                 s.draft[depth] = token
+                if s in states:
+                    states[s].accept(token)
             self.step_cost.observe(len(rows), time.perf_counter() - start)
             depth += 1

@@ -254,14 +254,14 @@ class EngineCore:
                 k = self.speculative_tokens if k is None else k
                 if k <= 0 or seq.prefill_only:
                     continue
-                spec = seq.speculation = Speculation(k, drafts=self.draft_model is not None and seq.grammar is None)
+                spec = seq.speculation = Speculation(k, drafts=self.draft_model is not None)
             if remaining != 1:
                 continue
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
             draft = spec.propose(seq.token_ids, room, price)
-            if draft and seq.grammar is not None:
-                del draft[seq.grammar.valid_prefix(draft) :]
             drafted = spec.to_draft
+            if draft and seq.grammar is not None and not drafted:  # the draft model's follow its grammar as made
+                del draft[seq.grammar.valid_prefix(draft) :]
             chances.extend((spec.acceptance ** (j + 1), j + 1 if drafted else 0, seq) for j in range(len(draft)))
         if not chances:
             return
@@ -300,6 +300,9 @@ class EngineCore:
             drafting = [s for s in batch.seqs if s.speculation is not None and s.speculation.to_draft]
             if drafting:
                 self.draft_model.guess(drafting)
+                for i, seq in enumerate(batch.seqs):  # a grammar may have ended some guesses early
+                    if seq in drafting:
+                        batch.num_new_tokens[i] = 1 + len(seq.draft)
         return self.runner.execute(batch, layer_hook)
 
     def update(self, batch: ScheduledBatch, samples: list[Samples]) -> list[StepOutput]:

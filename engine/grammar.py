@@ -192,6 +192,14 @@ class Grammars:
         return state
 
 
+def allowed_tokens(grammars: Sequence[GrammarState], vocab: int) -> np.ndarray:
+    """Bool `[R, vocab]`: the tokens each grammar allows next."""
+    bits = np.empty((len(grammars), (vocab + 31) // 32), dtype=np.int32)
+    for row, grammar in enumerate(grammars):
+        grammar.fill(bits[row])
+    return unpack_masks(bits, vocab)
+
+
 def unpack_masks(bits: np.ndarray, vocab_size: int) -> np.ndarray:
     """Bitmask rows `[R, words]` int32 -> bool `[R, vocab_size]`, True where a token is allowed."""
     return np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size].astype(bool)

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from pdserve.engine.errors import SamplingError
-from pdserve.engine.grammar import GrammarState, unpack_masks
+from pdserve.engine.grammar import GrammarState, allowed_tokens
 from pdserve.engine.sampling_params import SampleOutput, SamplingParams
 
 
@@ -177,10 +176,7 @@ class Sampler:
     @staticmethod
     def _allowed(grammars: Sequence[GrammarState], vocab: int) -> torch.Tensor:
         """Bool `[R, vocab]`: the tokens each grammar allows next."""
-        bits = np.empty((len(grammars), (vocab + 31) // 32), dtype=np.int32)
-        for row, grammar in enumerate(grammars):
-            grammar.fill(bits[row])
-        return torch.from_numpy(unpack_masks(bits, vocab))
+        return torch.from_numpy(allowed_tokens(grammars, vocab))
 
     @staticmethod
     def _nonfinite_rows(x: torch.Tensor) -> set[int]:

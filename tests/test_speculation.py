@@ -465,6 +465,40 @@ def test_a_grammar_masks_each_guess_row_from_the_state_after_the_guesses_before(
             assert seqs[1].speculation is not None and seqs[1].speculation.accepted > 0
 
 
+def test_a_draft_models_guesses_follow_the_grammar(builtin):
+    """The draft picks the best token its grammar allows after its guesses before, through a grammar that completes
+    within a step's guesses too; the answers are those without speculation. (Fresh engines: the same history, the
+    same cached KV.)"""
+    path, _ = builtin
+    plain = _engine(path, dtype="bfloat16")
+    drafting = _engine(path, dtype="bfloat16", speculative_tokens=4, speculative_draft="gguf")
+    schema = (
+        '{"type": "object", "properties": {"city": {"type": "string"}, "reasons": {"type": "array", "items": '
+        '{"type": "string"}}}, "required": ["city", "reasons"]}'
+    )
+    asks = [
+        ("Which city would you visit first, and why? Answer in JSON.", Constraint("json_schema", schema), 0.0),
+        ("Is the sea salty?", Constraint("regex", r"Yes, the sea is salty\."), 0.0),
+        ("Name some fruits.", Constraint("regex", r"(apples|pears|plums)(, (apples|pears|plums))*"), 0.7),
+    ]
+    drafted = 0
+    for text, constraint, temperature in asks:
+        params = SamplingParams(max_tokens=60, temperature=temperature, seed=5, constraint=constraint)
+        seqs = []
+        for engine in (plain, drafting):
+            seq = engine.add_request(_chat(path, text), params)
+            while engine.has_work:
+                for out in engine.step():
+                    assert out.error is None, out.error
+            seqs.append(seq)
+        assert seqs[1].output_ids == seqs[0].output_ids and seqs[1].finish_reason == seqs[0].finish_reason
+        spec = seqs[1].speculation  # None for an answer that ended with its first token
+        drafted += spec.model.accepted if spec is not None else 0
+    assert drafting.allocator.num_used_blocks == 0
+    if _room_for_guesses(drafting, 1):
+        assert drafted > 0
+
+
 def test_steps_stay_within_the_rows_the_kernels_vouch_for(monkeypatch):
     """On an AVX2 core the bf16 kernels sum a row in one order up to 7 rows (then block-wise): a step takes only the
     guesses that keep it within them, so the greedy tokens stay those of one-row steps there too."""
