@@ -71,22 +71,22 @@ class DraftModel:
         a constrained sequence's guesses end early where its grammar allows nothing more."""
         bs = self.target.layout.block_size
         states = {s: s.grammar.fork(()) for s in seqs if s.grammar is not None}
+        tables = torch.zeros(len(seqs), max(len(s.block_ids) for s in seqs), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
         depth = 0
-        while rows := [s for s in seqs if len(s.draft) > depth]:
+        while index := [i for i, s in enumerate(seqs) if len(s.draft) > depth]:
             start = time.perf_counter()
+            rows = [seqs[i] for i in index]
             tokens = [s.token_ids[-1] if depth == 0 else s.draft[depth - 1] for s in rows]
             positions = [len(s.token_ids) - 1 + depth for s in rows]
-            width = max(len(s.block_ids) for s in rows)
-            tables = torch.zeros(len(rows), width, dtype=torch.long)
-            for i, s in enumerate(rows):
-                tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
             meta = AttentionMetadata(
                 slot_mapping=torch.tensor(
                     [s.block_ids[p // bs] * bs + p % bs for s, p in zip(rows, positions)], dtype=torch.long
                 ),
                 query_start_loc=list(range(len(rows) + 1)),
                 seq_lens=[p + 1 for p in positions],
-                block_tables=tables,
+                block_tables=tables if len(index) == len(seqs) else tables[index],
             )
             hidden = self.model(
                 torch.tensor(tokens, dtype=torch.long),

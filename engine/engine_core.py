@@ -297,12 +297,11 @@ class EngineCore:
     def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> list[Samples]:
         """The draft model's guesses, then the forward and the sampling (the part that may run on another thread)."""
         if self.draft_model is not None:
-            drafting = [s for s in batch.seqs if s.speculation is not None and s.speculation.to_draft]
+            drafting = [i for i, s in enumerate(batch.seqs) if s.speculation is not None and s.speculation.to_draft]
             if drafting:
-                self.draft_model.guess(drafting)
-                for i, seq in enumerate(batch.seqs):  # a grammar may have ended some guesses early
-                    if seq in drafting:
-                        batch.num_new_tokens[i] = 1 + len(seq.draft)
+                self.draft_model.guess([batch.seqs[i] for i in drafting])
+                for i in drafting:  # a grammar may have ended some guesses early
+                    batch.num_new_tokens[i] = 1 + len(batch.seqs[i].draft)
         return self.runner.execute(batch, layer_hook)
 
     def update(self, batch: ScheduledBatch, samples: list[Samples]) -> list[StepOutput]:

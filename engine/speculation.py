@@ -145,10 +145,6 @@ class Speculation:
         self.draft, self.source = [], None
 
     @property
-    def k(self) -> int:
-        return self.lookup.k
-
-    @property
     def acceptance(self) -> float:
         """The chance of a guess in flight (by whichever guessed it) being kept, when the ones before it were."""
         return (self.source or self.lookup).acceptance
@@ -160,10 +156,6 @@ class Speculation:
     @property
     def accepted(self) -> int:
         return self.lookup.accepted + self.model.accepted
-
-    @property
-    def refused(self) -> int:
-        return self.lookup.refused + self.model.refused
 
 
 def _expected(acceptance: float, guesses: int) -> float:
@@ -201,16 +193,11 @@ class StepCost:
 
     def estimate(self, rows: int) -> float | None:
         """Seconds for a step of `rows` rows; None while no step has been measured."""
-        return interpolate(self.known(), rows)
-
-
-def interpolate(known: dict[int, float], rows: int) -> float | None:
-    """`StepCost.estimate` over one copy of what it knows."""
-    return _Costs(known)(rows)
+        return _Costs(self.known())(rows)
 
 
 class _Costs:
-    """`interpolate` over one copy, for the many row counts a step weighs (the keys sorted once)."""
+    """`StepCost.estimate` over one copy of what it knows, for the many row counts a step weighs (sorted once)."""
 
     def __init__(self, known: dict[int, float]) -> None:
         self.known = known

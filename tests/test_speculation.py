@@ -87,21 +87,21 @@ def test_lookup_never_matches_the_suffix_with_itself_and_grows_with_the_text():
 
 def test_guesses_adapt_to_what_is_kept():
     spec = Speculation(8)
-    assert spec.k == 8
+    assert spec.lookup.k == 8
     spec.draft = [1, 2, 3, 4, 5, 6, 7, 8]
     spec.settle(2)
-    assert spec.k == 3 and spec.draft == [] and (spec.proposed, spec.accepted) == (8, 2)
+    assert spec.lookup.k == 3 and spec.draft == [] and (spec.proposed, spec.accepted) == (8, 2)
     spec.draft = [1, 2, 3]
     spec.settle(3)
-    assert spec.k == 5
+    assert spec.lookup.k == 5
     spec.draft = [1, 2, 3, 4, 5]
     spec.settle(5)
-    assert spec.k == 7
+    assert spec.lookup.k == 7
     spec.draft = [9]
     spec.settle(0)
-    assert spec.k == 1
+    assert spec.lookup.k == 1
     spec.settle(0)  # no guesses: nothing counted, nothing changed
-    assert (spec.proposed, spec.accepted, spec.refused, spec.k) == (17, 10, 2, 1)
+    assert (spec.proposed, spec.accepted, spec.lookup.refused, spec.lookup.k) == (17, 10, 2, 1)
     assert spec.acceptance == pytest.approx(11 / 14)
 
 
