@@ -251,7 +251,9 @@ class CpuLinear:
         self.bf16_rows_decode = BF16_ROWS_DECODE[self.tiles or self.bf16_dot]
         self.isa = f"{level}, AMX tiles" if self.tiles else level  # for the start-up log
         self.q8_rows = Q8_ROWS  # integer products with int8 activations up to this many rows
-        self.q8_isa = ("plain C", "AVX2 vpmaddubsw", "AVX512-VNNI vpdpbusd")[lib.q8_isa()]
+        self.q8_isa = ("plain C", "AVX2 vpmaddubsw", "AVX512-VNNI vpdpbusd", "AVX512-VNNI vpdpbusd, AMX-INT8 tiles")[
+            lib.q8_isa()
+        ]
 
     def linear(
         self, x: torch.Tensor, packed: torch.Tensor, fmt: str, n: int, bias: torch.Tensor | None

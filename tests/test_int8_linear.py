@@ -98,6 +98,21 @@ def test_integer_sums_and_products_equal_the_reference(kernels, fmt, shape):
     check(kernels, blocks, x.bfloat16())  # bf16 activations are quantized as they are
 
 
+@pytest.mark.parametrize("fmt", list(Q8_ACTIVATIONS))
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, fmt):
+    """Bit for bit, whatever the batch: a step's rows take the tile unit from a dozen rows on (AMX-INT8) and
+    vpdpbusd below, and both scale the same integer sums by the same operations in the same order. Speculation's
+    checks and continuous batching rely on it (a guess is kept only where it is the row's own pick)."""
+    gen = torch.Generator().manual_seed(11)
+    n, k = 70, 200
+    blocks = quant_linear.quantize(torch.randn(n, k, generator=gen), fmt)
+    packed, packing = quant_linear.pack_q8(blocks), Q8_ACTIVATIONS[fmt]
+    x = torch.randn(40, k, generator=gen).bfloat16()
+    alone = torch.cat([kernels.linear(x[i : i + 1], packed, packing, n, None) for i in range(len(x))])
+    for m in (4, 8, 12, 16, 17, 40):
+        assert torch.equal(kernels.linear(x[:m], packed, packing, n, None), alone[:m]), m
+
+
 def test_the_layer_picks_the_integer_packing_and_keeps_plain_formats(kernels):
     gen = torch.Generator().manual_seed(3)
     w, x = torch.randn(40, 96, generator=gen), torch.randn(4, 96, generator=gen)
