@@ -35,7 +35,6 @@
 
 enum { Q8_0_Q8 = 6, Q4_0_Q8 = 7, Q4_1_Q8 = 8 };
 
-
 static inline int is_q8(int fmt) { return fmt == Q8_0_Q8 || fmt == Q4_0_Q8 || fmt == Q4_1_Q8; }
 
 /* Where a block's quants start: after d[16] (and m[16]). */
@@ -106,8 +105,7 @@ static void quantize_row_q8(const void *x, int x_bf16, int64_t K, int8_t *xq, fl
         else if (kn == KB) {
             widen_bf16((const uint8_t *)((const uint16_t *)x + k0), v);
             widen_bf16((const uint8_t *)((const uint16_t *)x + k0 + G), v + G);
-        }
-        else
+        } else
             for (int k = 0; k < KB; k++)
                 v[k] = k >= kn ? 0.0f : x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k0 + k]) : ((const float *)x)[k0 + k];
         quantize_block_q8(src, xq + k0, xd + b, xs + b);
@@ -356,9 +354,11 @@ static void group_q8_rows(int fmt, const uint8_t *blk, int64_t nb, const int8_t 
 #ifndef Q8_AMX_AHEAD
 #define Q8_AMX_AHEAD 2 /* blocks between laying out, multiplying and scaling (group_q8_amx) */
 #endif
-/* Six tiles: 0, 1 a block's sums [rows][16 columns] int32; 2, 3 the rows' quants at the block [rows][32] int8; 4, 5
+/* Seven tiles: 0-2 a block's sums [rows][16 columns] int32; 3, 4 the rows' quants at the block [rows][32] int8; 5, 6
  * the block's codes [8][16 columns][4 k], as vpdpbusd reads them (a Q8_0 block's 8 runs are that tile as packed).
- * Two of each, so that a block's product and the next block's loads do not wait on each other. */
+ * Sums are stored one block after their product is issued (a store right behind its product waited for it), so
+ * three sum tiles rotate, and two of the others, so that a product and the next block's loads do not wait on each
+ * other (gate/up and down projections at 16-72 rows 8-14% faster than storing at once). */
 static void q8_amx_configure(int rows) {
     struct {
         uint8_t palette, start_row, reserved[14];
@@ -367,9 +367,9 @@ static void q8_amx_configure(int rows) {
     } __attribute__((packed, aligned(64))) cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 6; t++) {
-        cfg.colsb[t] = t == 2 || t == 3 ? KB : 64;
-        cfg.rows[t] = t < 4 ? rows : KB / 4;
+    for (int t = 0; t < 7; t++) {
+        cfg.colsb[t] = t == 3 || t == 4 ? KB : 64;
+        cfg.rows[t] = t < 5 ? rows : KB / 4;
     }
     _tile_loadconfig(&cfg);
 }
@@ -389,9 +389,9 @@ static inline void q4_codes(const uint8_t *qs, uint8_t *out) {
  * integer sums I, which the vector unit scales exactly as group_q8 does (same operations, same order: a row's result
  * does not depend on the rows beside it, or on which unit summed its integers), at 4-5 vector instructions a row and
  * block where vpdpbusd needs 12-13. The two units meet only through memory (the 4-bit codes laid out for the tile,
- * the sums stored from it), so each step of the loop lays out block t, multiplies block t - Q8_AMX_AHEAD and scales
- * block t - 2 Q8_AMX_AHEAD: three independent streams, each reading what was stored a few steps before. xo: offset S
- * per row and block; xm: dx S (Q4_1). */
+ * the sums stored from it), so each step of the loop lays out block t, multiplies block t - Q8_AMX_AHEAD (and stores
+ * the sums of the block before it) and scales block t - 2 Q8_AMX_AHEAD: independent streams, each reading what was
+ * stored at least a step before. xo: offset S per row and block; xm: dx S (Q4_1). */
 static inline __attribute__((always_inline)) void group_q8_amx(const int fmt, const uint8_t *blk, int64_t nb,
                                                                 const int8_t *xq, int64_t ldq, const float *xd,
                                                                 const int32_t *xo, const float *xm, int rows,
@@ -412,19 +412,26 @@ static inline __attribute__((always_inline)) void group_q8_amx(const int fmt, co
         const int64_t m = t - D; /* the block multiplied */
         if (m >= 0 && m < nb) {
             const void *w = fmt == Q8_0_Q8 ? (const void *)(blk + m * bb + q8_quants(fmt)) : (const void *)codes[m % RING];
-            if (m & 1) {
-                _tile_loadd(3, xq + m * KB, ldq);
-                _tile_loadd(5, w, 64);
-                _tile_zero(1);
-                _tile_dpbsud(1, 3, 5);
-                _tile_stored(1, c[m % RING], 64);
-            } else {
-                _tile_loadd(2, xq + m * KB, ldq);
-                _tile_loadd(4, w, 64);
-                _tile_zero(0);
-                _tile_dpbsud(0, 2, 4);
-                _tile_stored(0, c[m % RING], 64);
+            const int8_t *xa = xq + m * KB;
+            int32_t *prev = c[(m + RING - 1) % RING], *cur = c[m % RING];
+            const int last = m == nb - 1;
+#define Q8_TILE(C, A, B, P)                                                                                            \
+    _tile_loadd(A, xa, ldq);                                                                                           \
+    _tile_loadd(B, w, 64);                                                                                             \
+    _tile_zero(C);                                                                                                     \
+    _tile_dpbsud(C, A, B);                                                                                             \
+    if (m > 0) _tile_stored(P, prev, 64);                                                                              \
+    if (last) _tile_stored(C, cur, 64);                                                                                \
+    break;
+            switch (m % 6) { /* tile numbers are part of the instruction: sums in m % 3, operands in m % 2 */
+            case 0: Q8_TILE(0, 3, 5, 2)
+            case 1: Q8_TILE(1, 4, 6, 0)
+            case 2: Q8_TILE(2, 3, 5, 1)
+            case 3: Q8_TILE(0, 4, 6, 2)
+            case 4: Q8_TILE(1, 3, 5, 0)
+            default: Q8_TILE(2, 4, 6, 1)
             }
+#undef Q8_TILE
         }
         const int64_t b = t - 2 * D; /* the block scaled */
         if (b >= 0) {
