@@ -540,6 +540,13 @@ static int amx_usable(void) {
     return s > 0;
 }
 
+/* What ldtilecfg reads: palette 1, each tile's bytes a row and rows (0: unused). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) amx_config;
+
 /* Six tiles of 64 bytes a row, 16 rows but for tiles 0 and 1, which have `rows` (at most 16). Blocks (group_amx):
  * tile 0 the products of the rows with one block [rows][16] fp32, tile 1 the rows' x at the block [rows][32] bf16,
  * tile 2 the block's quants as 16 bf16 pairs of rows [16][16][2] (exact, like vdpbf16ps's); a decode step's 8 rows
@@ -547,13 +554,7 @@ static int amx_usable(void) {
  * Sapphire Rapids: 8 rows 142 -> 130 us, 4 rows 126 -> 106). bf16_rows (bf16_rows_amx, rows 16): tiles 0-3 the
  * sums of up to 64 rows, tile 4 16 rows of the weight, tile 5 16 rows of x in pairs. */
 static void amx_configure(int rows) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((packed, aligned(64))) cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
+    amx_config cfg = {.palette = 1};
     for (int t = 0; t < 6; t++) cfg.colsb[t] = 64, cfg.rows[t] = t < 2 ? rows : 16;
     _tile_loadconfig(&cfg);
 }

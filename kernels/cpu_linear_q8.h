@@ -360,13 +360,7 @@ static void group_q8_rows(int fmt, const uint8_t *blk, int64_t nb, const int8_t 
  * three sum tiles rotate, and two of the others, so that a product and the next block's loads do not wait on each
  * other (gate/up and down projections at 16-72 rows 8-14% faster than storing at once). */
 static void q8_amx_configure(int rows) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((packed, aligned(64))) cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
+    amx_config cfg = {.palette = 1};
     for (int t = 0; t < 7; t++) {
         cfg.colsb[t] = t == 3 || t == 4 ? KB : 64;
         cfg.rows[t] = t < 5 ? rows : KB / 4;
