@@ -369,23 +369,23 @@ static void q8_amx_configure(int rows) {
 }
 
 /* The 4-bit codes of a block as the tile's 8 rows of [16 columns][4 k]: run p's low nibbles are row 2p (k = 8p ..
- * 8p + 3), its high nibbles row 2p + 1. */
-static inline void q4_codes(const uint8_t *qs, uint8_t *out) {
-    const __m512i mask = _mm512_set1_epi8(15);
+ * 8p + 3), its high nibbles row 2p + 1. Q4_0's as c - 8 (signed), so that its sums come out as I - 8 S. */
+static inline void q4_codes(const int fmt, const uint8_t *qs, uint8_t *out) {
+    const __m512i mask = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(fmt == Q4_0_Q8 ? 8 : 0);
     for (int p = 0; p < 4; p++) {
         const __m512i v = _mm512_loadu_si512(qs + 64 * p);
-        _mm512_store_si512(out + 128 * p, _mm512_and_si512(v, mask));
-        _mm512_store_si512(out + 128 * p + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+        _mm512_store_si512(out + 128 * p, _mm512_sub_epi8(_mm512_and_si512(v, mask), eight));
+        _mm512_store_si512(out + 128 * p + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), mask), eight));
     }
 }
 
-/* group_q8 on the tile unit for up to 16 rows: one tdpbsud per block (x signed, codes unsigned) gives the rows'
- * integer sums I, which the vector unit scales exactly as group_q8 does (same operations, same order: a row's result
- * does not depend on the rows beside it, or on which unit summed its integers), at 4-5 vector instructions a row and
- * block where vpdpbusd needs 12-13. The two units meet only through memory (the 4-bit codes laid out for the tile,
+/* group_q8 on the tile unit for up to 16 rows: one tdpbsud per block (x signed, codes unsigned; Q4_0 tdpbssd on c - 8)
+ * gives the rows' integer sums I (less Q4_0's 8 S), which the vector unit scales exactly as group_q8 does (same
+ * operations, same order: a row's result does not depend on the rows beside it, or on which unit summed its
+ * integers), at 3-5 vector instructions a row and block where vpdpbusd needs 12-13. The two units meet only through memory (the 4-bit codes laid out for the tile,
  * the sums stored from it), so each step of the loop lays out block t, multiplies block t - Q8_AMX_AHEAD (and stores
  * the sums of the block before it) and scales block t - 2 Q8_AMX_AHEAD: independent streams, each reading what was
- * stored at least a step before. xo: offset S per row and block; xm: dx S (Q4_1). */
+ * stored at least a step before. xo: Q8_0's 128 S per row and block; xm: dx S (Q4_1). */
 static inline __attribute__((always_inline)) void group_q8_amx(const int fmt, const uint8_t *blk, int64_t nb,
                                                                 const int8_t *xq, int64_t ldq, const float *xd,
                                                                 const int32_t *xo, const float *xm, int rows,
@@ -401,7 +401,7 @@ static inline __attribute__((always_inline)) void group_q8_amx(const int fmt, co
             const uint8_t *bt = blk + t * bb;
 #pragma GCC unroll 9
             for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(bt + PREFETCH + off);
-            if (fmt != Q8_0_Q8) q4_codes(bt + q8_quants(fmt), codes[t % RING]);
+            if (fmt != Q8_0_Q8) q4_codes(fmt, bt + q8_quants(fmt), codes[t % RING]);
         }
         const int64_t m = t - D; /* the block multiplied */
         if (m >= 0 && m < nb) {
@@ -413,7 +413,10 @@ static inline __attribute__((always_inline)) void group_q8_amx(const int fmt, co
     _tile_loadd(A, xa, ldq);                                                                                           \
     _tile_loadd(B, w, 64);                                                                                             \
     _tile_zero(C);                                                                                                     \
-    _tile_dpbsud(C, A, B);                                                                                             \
+    if (fmt == Q4_0_Q8)                                                                                                \
+        _tile_dpbssd(C, A, B);                                                                                         \
+    else                                                                                                               \
+        _tile_dpbsud(C, A, B);                                                                                         \
     if (m > 0) _tile_stored(P, prev, 64);                                                                              \
     if (last) _tile_stored(C, cur, 64);                                                                                \
     break;
@@ -438,7 +441,7 @@ static inline __attribute__((always_inline)) void group_q8_amx(const int fmt, co
                 if (r >= rows) break;
                 const int64_t i = r * nb + b;
                 __m512i I = _mm512_load_si512(cb + r * G);
-                if (fmt != Q4_1_Q8) I = _mm512_sub_epi32(I, _mm512_set1_epi32(xo[i]));
+                if (fmt == Q8_0_Q8) I = _mm512_sub_epi32(I, _mm512_set1_epi32(xo[i]));
                 y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(dw, _mm512_set1_ps(xd[i])), y[r]);
                 if (fmt == Q4_1_Q8) y[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xm[i]), y[r]);
             }
