@@ -107,7 +107,9 @@ static void quantize_row_q8(const void *x, int x_bf16, int64_t K, int8_t *xq, fl
             widen_bf16((const uint8_t *)((const uint16_t *)x + k0 + G), v + G);
         } else
             for (int k = 0; k < KB; k++)
-                v[k] = k >= kn ? 0.0f : x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k0 + k]) : ((const float *)x)[k0 + k];
+                v[k] = k >= kn   ? 0.0f
+                       : x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k0 + k])
+                                : ((const float *)x)[k0 + k];
         quantize_block_q8(src, xq + k0, xd + b, xs + b);
     }
 }
@@ -382,17 +384,18 @@ static inline void q4_codes(const int fmt, const uint8_t *qs, uint8_t *out) {
 /* group_q8 on the tile unit for up to 16 rows: one tdpbsud per block (x signed, codes unsigned; Q4_0 tdpbssd on c - 8)
  * gives the rows' integer sums I (less Q4_0's 8 S), which the vector unit scales exactly as group_q8 does (same
  * operations, same order: a row's result does not depend on the rows beside it, or on which unit summed its
- * integers), at 3-5 vector instructions a row and block where vpdpbusd needs 12-13. The two units meet only through memory (the 4-bit codes laid out for the tile,
- * the sums stored from it), so each step of the loop lays out block t, multiplies block t - Q8_AMX_AHEAD (and stores
- * the sums of the block before it) and scales block t - 2 Q8_AMX_AHEAD: independent streams, each reading what was
- * stored at least a step before. xo: Q8_0's 128 S per row and block; xm: dx S (Q4_1). */
+ * integers), at 3-5 vector instructions a row and block where vpdpbusd needs 12-13. The two units meet only through
+ * memory (the 4-bit codes laid out for the tile, the sums stored from it), so each step of the loop lays out block
+ * t, multiplies block t - Q8_AMX_AHEAD (and stores the sums of the block before it) and scales block
+ * t - 2 Q8_AMX_AHEAD: independent streams, each reading what was stored at least a step before. xo: Q8_0's 128 S
+ * per row and block; xm: Q4_1's dx S (NULL for the other formats). */
 static inline __attribute__((always_inline)) void group_q8_amx(const int fmt, const uint8_t *blk, int64_t nb,
                                                                 const int8_t *xq, int64_t ldq, const float *xd,
                                                                 const int32_t *xo, const float *xm, int rows,
                                                                 const int rmax, float *acc) {
     enum { D = Q8_AMX_AHEAD, RING = 2 * Q8_AMX_AHEAD };
     const int64_t bb = q8_quants(fmt) + (fmt == Q8_0_Q8 ? KB * G : KB * G / 2);
-    uint8_t codes[fmt == Q8_0_Q8 ? 1 : RING][KB * G] __attribute__((aligned(64)));
+    uint8_t codes[RING][KB * G] __attribute__((aligned(64))); /* 4-bit only: Q8_0's tile is its packing */
     int32_t c[RING][16 * G] __attribute__((aligned(64)));
     __m512 y[16];
     for (int r = 0; r < rmax; r++) y[r] = _mm512_setzero_ps();
@@ -405,7 +408,8 @@ static inline __attribute__((always_inline)) void group_q8_amx(const int fmt, co
         }
         const int64_t m = t - D; /* the block multiplied */
         if (m >= 0 && m < nb) {
-            const void *w = fmt == Q8_0_Q8 ? (const void *)(blk + m * bb + q8_quants(fmt)) : (const void *)codes[m % RING];
+            const void *w =
+                fmt == Q8_0_Q8 ? (const void *)(blk + m * bb + q8_quants(fmt)) : (const void *)codes[m % RING];
             const int8_t *xa = xq + m * KB;
             int32_t *prev = c[(m + RING - 1) % RING], *cur = c[m % RING];
             const int last = m == nb - 1;
@@ -475,14 +479,13 @@ static int linear_q8_amx(const int8_t *xq, const float *xd, const int32_t *xs, i
                          int y_bf16, int nthreads) {
     const int64_t groups = (N + G - 1) / G, bb = block_nbytes(fmt), ldq = nb * KB;
     const int tile_rows = M < 16 ? (int)M : 16;
-    int32_t *xo = malloc(sizeof(int32_t) * (size_t)(M * nb));
-    float *xm = malloc(sizeof(float) * (size_t)(M * nb));
-    if (!xo || !xm) {
-        free(xo), free(xm);
-        return -2;
-    }
-    const int32_t offset = Q8_OFFSET(fmt);
-    for (int64_t i = 0; i < M * nb; i++) xo[i] = offset * xs[i], xm[i] = xd[i] * (float)xs[i];
+    /* each row and block's term beside I: Q8_0's 128 S (taken off I), Q4_1's dx S (times m); Q4_0 has none */
+    void *terms = fmt == Q4_0_Q8 ? NULL : malloc(sizeof(int32_t) * (size_t)(M * nb));
+    if (fmt != Q4_0_Q8 && !terms) return -2;
+    int32_t *xo = fmt == Q8_0_Q8 ? terms : NULL;
+    float *xm = fmt == Q4_1_Q8 ? terms : NULL;
+    for (int64_t i = 0; xo && i < M * nb; i++) xo[i] = Q8_OFFSET(Q8_0_Q8) * xs[i];
+    for (int64_t i = 0; xm && i < M * nb; i++) xm[i] = xd[i] * (float)xs[i];
 #pragma omp parallel num_threads(nthreads)
     {
         q8_amx_configure(tile_rows);
@@ -492,14 +495,14 @@ static int linear_q8_amx(const int8_t *xq, const float *xd, const int32_t *xs, i
             const int cols = N - g * G < G ? (int)(N - g * G) : G;
             for (int64_t r0 = 0; r0 < M; r0 += 16) {
                 const int rows = M - r0 < 16 ? (int)(M - r0) : 16;
-                group_q8_amx_rows(fmt, w + g * nb * bb, nb, xq + r0 * ldq, ldq, xd + r0 * nb, xo + r0 * nb,
-                                  xm + r0 * nb, rows, acc);
+                group_q8_amx_rows(fmt, w + g * nb * bb, nb, xq + r0 * ldq, ldq, xd + r0 * nb,
+                                  xo ? xo + r0 * nb : NULL, xm ? xm + r0 * nb : NULL, rows, acc);
                 store_rows(acc, rows, cols, bias, yout, ldy, y_bf16, r0, g * G);
             }
         }
         _tile_release();
     }
-    free(xo), free(xm);
+    free(terms);
     return 0;
 }
 #else
