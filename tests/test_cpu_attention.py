@@ -78,6 +78,38 @@ def test_kernel_reads_strided_queries_and_is_deterministic(kernel):
     assert torch.equal(alone[0], once[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 4, 64), (4, 2, 32)])
+def test_rows_of_a_sequence_checking_guesses_equal_each_row_alone(kernel, dtype, heads, kv_heads, dim):
+    """A step that checks guesses has one row per guessed position, each over a prefix of the same blocks; the
+    kernel reads those K rows once for the whole run. Every row must get, bit for bit, what it gets alone (greedy
+    answers with and without speculation depend on it), and the answer SDPA gives: runs of 1 to 40 rows (longer than
+    a run's cap), contexts that end inside and at the edge of a chunk, and rows that share blocks without being a
+    run (a shorter context after a longer one)."""
+    block_size, gen = 16, torch.Generator().manual_seed(11)
+    runs = [(9, 31), (1, 7), (17, 14), (40, 100), (2, 16), (1, 50), (1, 20), (3, 20)]
+    n_blocks = -(-max(base + rows for rows, base in runs) // block_size)
+    pool = len(runs) * n_blocks + 2
+    k = torch.randn(pool, block_size, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(pool, block_size, kv_heads, dim, generator=gen).to(dtype)
+    seq_tables = torch.randperm(pool, generator=gen)[: len(runs) * n_blocks].view(len(runs), n_blocks)
+    seq_tables[6] = seq_tables[5]  # the last three share blocks: 50 tokens, then 20, then a run from 20
+    seq_tables[7] = seq_tables[5]
+    tables = torch.cat([seq_tables[i].expand(rows, -1) for i, (rows, _) in enumerate(runs)])
+    lens = torch.tensor([base + 1 + r for rows, base in runs for r in range(rows)], dtype=torch.int32)
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    got = kernel.decode(q, k, v, tables, lens, int(lens.max()), dim**-0.5)
+    for row in range(len(lens)):
+        alone = kernel.decode(
+            q[row : row + 1], k, v, tables[row : row + 1], lens[row : row + 1], int(lens[row]), dim**-0.5
+        )
+        assert torch.equal(alone[0], got[row]), row
+    mask = decode_mask(lens, n_blocks * block_size)
+    exact = decode_attention(q.float(), k.float(), v.float(), tables, mask, dim**-0.5)
+    torch_err = (decode_attention(q, k, v, tables, mask, dim**-0.5).float() - exact).abs().max().item()
+    assert (got.float() - exact).abs().max().item() <= max(2e-6 if dtype == torch.float32 else 1e-2, 1.01 * torch_err)
+
+
 def test_unsupported_layouts_take_the_torch_path(kernel):
     """float16, or a head size the kernel's lanes do not divide: `supports` says no and the backend falls back."""
     q, k, *_ = _case(1, 4, 2, 64, 16, [5], torch.float16)
