@@ -14,7 +14,7 @@ machine falls on both.
   turn), median over blocks. (Rounds of 8 that start together measure the slowest of the 8 instead.)
 - The decode worker's counters: guesses proposed and kept.
 - The c=8 ceiling, this machine's own limit measured in the same run: the engine's decode step timed at 8, 16, ...
-  rows (8 sequences at the copy-heavy context, each with 0, 1, ... guess rows, every guess kept) gives the most
+  rows (8 sequences at the copy-heavy context, each checking 0, 1, ... guesses, every guess kept) gives the most
   tokens per second any acceptance could reach, as a ratio to 8 rows without guesses. Past the rows a step reads
   its weights for, each row costs its own arithmetic, and the ceiling says what is left to win.
 
@@ -144,13 +144,43 @@ def _counters(metrics_port: int) -> tuple[float, float]:
     )
 
 
+def guess_steps(core, guesses: int, context: int, steps: int, rng) -> list[float]:
+    """Seconds of each of `steps` decode steps of 8 sequences of `context` random tokens, each checking `guesses`
+    guessed tokens (random ones: a step's forward is the same whatever it keeps), so that a sequence's rows sit
+    together as in a served step."""
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.speculation import Speculation
+
+    greedy = SamplingParams(max_tokens=min(4096, core.max_model_len - context), temperature=0.0, ignore_eos=True)
+    vocab = min(core.model_config.vocab_size, 40000)
+    seqs = [core.add_request([rng.randrange(vocab // 2, vocab) for _ in range(context)], greedy) for _ in range(8)]
+    while any(s.num_output_tokens == 0 for s in seqs):
+        core.step()
+
+    def propose() -> None:  # in place of the engine's own choice of guesses: every sequence checks `guesses`
+        for s in seqs:
+            s.speculation = s.speculation or Speculation(guesses)
+            s.speculation.draft = [rng.randrange(vocab // 2, vocab) for _ in range(guesses)]
+
+    core._propose = propose  # an attribute of this engine, over its method until the `finally`
+    try:
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            core.step()
+            times.append(time.perf_counter() - start)
+    finally:
+        del core._propose
+        for s in seqs:
+            core.abort(s)
+    return times
+
+
 def ceiling(model: str, dtype: str, quantization: str, k: int, context: int = 400, steps: int = 6) -> list[str]:
     """The most speculation can give at c=8 here: 8 sequences, each checking g guesses that are all kept, make
-    8 (1 + g) tokens a step of 8 (1 + g) rows. A guess row is attended alone (that keeps it exact), so it costs
-    what a sequence's row at that context costs: the step is timed with 8 (1 + g) sequences."""
+    8 (1 + g) tokens a step of 8 (1 + g) rows, timed as such (guess_steps)."""
     import random
 
-    from pdserve.benchmarks.roofline import decode_steps
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.engine_core import EngineCore
     from pdserve.engine.model_store import resolve_model
@@ -163,13 +193,13 @@ def ceiling(model: str, dtype: str, quantization: str, k: int, context: int = 40
             model=path,
             dtype=dtype,
             quantization=quantization,
-            max_num_seqs=8 * (1 + guesses[-1]),
+            max_num_seqs=8,
             kv_cache_memory=3 << 30,
             max_num_batched_tokens=8192,
         )
     )
     rng = random.Random(0)
-    step_ms = {g: min(decode_steps(core, 8 * (1 + g), context, steps, rng)) * 1e3 for g in guesses}
+    step_ms = {g: min(guess_steps(core, g, context, steps, rng)) * 1e3 for g in guesses}
     base = 8 / step_ms[0]
     gains = {g: 8 * (1 + g) / step_ms[g] / base for g in guesses}
     best = max(gains, key=lambda g: gains[g])

@@ -518,3 +518,25 @@ def test_steps_stay_within_the_rows_the_kernels_vouch_for(monkeypatch):
         spec_engine.update(batch, spec_engine.execute(batch))
     assert seq.output_ids == _run(plain_engine, [prompt], params)[0][0]
     assert spec_engine.num_accepted >= 8
+
+
+def test_the_ceiling_times_steps_where_every_sequence_checks_its_guesses(tiny_model_dir):
+    """The c=8 ceiling's steps have 8 (1 + g) rows, a sequence's together as a served step has them; the engine's
+    own choice of guesses is back and every block free afterwards."""
+    from pdserve.benchmarks.speculation import guess_steps
+
+    engine = EngineCore(EngineConfig(model=str(tiny_model_dir), num_blocks=256, block_size=4, max_num_seqs=8))
+    free = engine.scheduler.allocator.num_free_blocks
+    rows: list[int] = []
+    execute = engine.execute
+
+    def counting(batch, layer_hook=None):
+        rows.append(sum(batch.num_new_tokens))
+        return execute(batch, layer_hook)
+
+    engine.execute = counting  # type: ignore[method-assign]
+    times = guess_steps(engine, 3, 20, 2, random.Random(0))
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert rows[-2:] == [8 * 4, 8 * 4]
+    assert "_propose" not in vars(engine)
+    assert engine.scheduler.allocator.num_free_blocks == free
