@@ -1,6 +1,6 @@
 """The CPU decode attention kernel alone, against this machine's limits measured in the same run.
 
-    python -m pdserve.benchmarks.decode_attention [--batch 8] [--context 192] [--dtype bfloat16]
+    python -m pdserve.benchmarks.decode_attention [--batch 8] [--context 192] [--dtype bfloat16] [--guesses 0]
     PDSERVE_CPU_ISA=avx2 python -m pdserve.benchmarks.decode_attention     # the AVX2 build on an AVX-512 machine
 
 A decode step attends over every layer's cache once, and between two layers the weights stream through the
@@ -10,7 +10,8 @@ both in huge pages as the engine allocates them, and `--between-mb` of other dat
 (default: one bf16 layer of the built-in model's weights). It prints microseconds per layer and two ratios: to
 the K/V bytes at the streaming bandwidth, and to the flops at the fp32 GEMM rate (`benchmarks.roofline`'s probes).
 `--in-cache` attends over one layer's cache again and again with nothing between: what the kernel's instructions
-cost when the memory is not in the way.
+cost when the memory is not in the way. `--guesses g` gives each sequence 1 + g rows, as a step that checks g
+speculative guesses has them (row j over the context and the first j guesses).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def measure(
     in_cache: bool,
     reps: int,
     limits: tuple[float, float] | None = None,
+    guesses: int = 0,
 ) -> Result:
     """`limits` (bytes/s, flop/s): given, instead of measured after the kernel."""
     from pdserve.benchmarks.roofline import bandwidth, gemm_rate
@@ -67,16 +69,17 @@ def measure(
     if kernel is None:
         raise SystemExit("cpu_paged_attention.c could not be built here (no C compiler?)")
     gen = torch.Generator().manual_seed(0)
-    per_seq = -(-context // block_size)
+    rows = 1 + guesses
+    per_seq = -(-(context + guesses) // block_size)
     shape = (batch * per_seq, block_size, kv_heads, head_dim)
     caches = []
     for _ in range(1 if in_cache else layers):
         k, v = zeros_in_huge_pages(shape, dtype), zeros_in_huge_pages(shape, dtype)
         k.copy_(torch.randn(shape, generator=gen)), v.copy_(torch.randn(shape, generator=gen))
         caches.append((k, v))
-    tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).contiguous()
-    lens = torch.full((batch,), context, dtype=torch.int32)
-    q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).repeat_interleave(rows, 0)
+    lens = (context + torch.arange(rows, dtype=torch.int32)).repeat(batch)
+    q = torch.randn(batch * rows, heads, head_dim, generator=gen).to(dtype)
     other = None if in_cache or between_mb <= 0 else torch.ones(int(between_mb * 2**20) // 4)
     scale = head_dim**-0.5
 
@@ -86,14 +89,14 @@ def measure(
             if other is not None:
                 other.sum()
             t = time.perf_counter()
-            kernel.decode(q, k, v, tables, lens, context, scale)
+            kernel.decode(q, k, v, tables, lens, context + guesses, scale)
             spent += time.perf_counter() - t
         return spent / layers
 
     one_pass()
     best = min(one_pass() for _ in range(reps))
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * dtype.itemsize
-    flops = 2 * 2 * batch * heads * context * head_dim
+    kv_bytes = 2 * batch * (context + guesses) * kv_heads * head_dim * dtype.itemsize
+    flops = 2 * 2 * batch * heads * head_dim * int(lens[:rows].sum())
     bw, gemm = limits if limits is not None else (bandwidth(), gemm_rate())
     return Result(best * 1e6, kv_bytes, flops, bw, gemm)
 
@@ -112,6 +115,7 @@ def main() -> None:
     ap.add_argument("--in-cache", action="store_true", help="one layer's cache, attended over again and again")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--guesses", type=int, default=0, help="speculative guesses each sequence checks (1 + g rows)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     r = measure(
@@ -126,10 +130,12 @@ def main() -> None:
         args.between_mb,
         args.in_cache,
         args.reps,
+        guesses=args.guesses,
     )
     where = "one layer's cache, in cache" if args.in_cache else f"{args.layers} layers, {args.between_mb} MiB between"
     print(
-        f"CPU level {cpu_isa.level()}, {args.threads} threads, batch {args.batch}, context {args.context}, "
+        f"CPU level {cpu_isa.level()}, {args.threads} threads, batch {args.batch} x {1 + args.guesses} rows, "
+        f"context {args.context}, "
         f"{args.dtype}, {where}: {r.us_per_layer:.1f} us a layer\n"
         f"  K/V {r.kv_bytes / 1e6:.2f} MB a layer at {r.bandwidth / 1e9:.1f} GB/s: "
         f"{r.bytes_ratio:.2f}x the bytes limit; "

@@ -251,6 +251,16 @@ def test_decode_attention_benchmark_divides_by_its_bytes_and_flops(in_cache):
     assert r.flops_ratio == pytest.approx(r.us_per_layer * 1e-6 / (r.flops / 1e11))
 
 
+def test_decode_attention_benchmark_with_guesses_counts_every_row():
+    """Each sequence's 1 + g rows: K and V read once per sequence (its context and guesses), flops for every row."""
+    from pdserve.benchmarks.decode_attention import measure
+
+    r = measure(2, 20, 4, 2, 32, 1, 16, torch.bfloat16, 0.0, True, 1, limits=(1e10, 1e11), guesses=3)
+    assert r.kv_bytes == 2 * 2 * 23 * 2 * 32 * 2
+    assert r.flops == 2 * 2 * 2 * 4 * 32 * (20 + 21 + 22 + 23)
+    assert r.us_per_layer > 0
+
+
 def test_grpc_stream_benchmark_receives_every_paced_message():
     from pdserve.benchmarks.grpc_stream import measure
 
