@@ -513,10 +513,11 @@ static void weigh_row(const uint16_t *v, const int64_t *at, int len, const float
  * takes row_scores), then each row's softmax and weighted sum of V on its own. A row's result does not depend on
  * the rows beside it, bit for bit: a sequence checking guesses gets, at each row, what a one-token step would.
  * Returns 0 for any other shape. */
+static int run_shape(int D, int group) { return (D == 64 || D == 128) && group <= 4; }
 static int attend_run_pairs(const uint16_t *qh, int64_t q_sb, int64_t q_sh, const uint16_t *k, const uint16_t *v,
                             const int64_t *at, const int32_t *lens, int R, uint16_t *oh, int64_t o_sb, int g, int D,
                             float scale, int group, int padded, float *scores, float *qs, const Ahead *ahead) {
-    if ((D != 64 && D != 128) || group > 4) return 0;
+    if (!run_shape(D, group)) return 0;
     if (R == 1) {
         row_scores_of(qh, q_sh, k, v, at, lens[0], g, D, scale, group, padded, scores, ahead);
         for (int j = 0; j < group; j++) softmax_inplace(scores + (size_t)j * padded, lens[0]);
@@ -677,6 +678,10 @@ static inline float dot(const float *a, const float *b, int dim) {
     }
 
 /* the pairs kernel is the vector builds' */
+static int run_shape(int D, int group) {
+    (void)D, (void)group;
+    return 0;
+}
 static int attend_run_pairs(const uint16_t *qh, int64_t q_sb, int64_t q_sh, const uint16_t *k, const uint16_t *v,
                             const int64_t *at, const int32_t *lens, int R, uint16_t *oh, int64_t o_sb, int g, int D,
                             float scale, int group, int padded, float *scores, float *qs, const Ahead *ahead) {
@@ -722,15 +727,16 @@ ATTEND_RUN(bf16, uint16_t)
 
 #define MAX_RUN 32
 
-/* Rows runs[i] .. runs[i + 1] - 1 are run i; returns the number of runs. A row joins the run of the row before it
- * where that row's context lies in the same blocks of its own table and is no longer: the rows of a sequence in a
- * step that checks its guesses (the cache holds every row's K and V before the call), whose K rows are then read
- * once for all of them. */
-static int find_runs(const int64_t *tables, int64_t table_stride, const int32_t *lens, int B, int BS, int *runs) {
+/* Rows runs[i] .. runs[i + 1] - 1 are run i (at most `most` rows); returns the number of runs. A row joins the run
+ * of the row before it where that row's context lies in the same blocks of its own table and is no longer: the rows
+ * of a sequence in a step that checks its guesses (the cache holds every row's K and V before the call), whose K
+ * rows are then read once for all of them. */
+static int find_runs(const int64_t *tables, int64_t table_stride, const int32_t *lens, int B, int BS, int most,
+                     int *runs) {
     int n = 0;
     runs[0] = 0;
     for (int b = 1; b <= B; b++) {
-        const int joins = b < B && b - runs[n] < MAX_RUN && lens[b] >= lens[b - 1] &&
+        const int joins = b < B && b - runs[n] < most && lens[b] >= lens[b - 1] &&
                           !memcmp(tables + b * table_stride, tables + (b - 1) * table_stride,
                                   sizeof(int64_t) * (size_t)((lens[b - 1] + BS - 1) / BS));
         if (!joins) runs[++n] = b;
@@ -754,7 +760,9 @@ static int find_runs(const int64_t *tables, int64_t table_stride, const int32_t 
             free(runs), free(cum);                                                                                     \
             return 2;                                                                                                  \
         }                                                                                                              \
-        const int nruns = find_runs(tables, table_stride, lens, B, BS, runs), items = nruns * KVH;                     \
+        /* runs only where attend_run_pairs takes them: elsewhere rows go one by one, with one row's scratch */        \
+        const int most = sizeof(T) == 2 && run_shape(D, group) ? MAX_RUN : 1;                                          \
+        const int nruns = find_runs(tables, table_stride, lens, B, BS, most, runs), items = nruns * KVH;               \
         int longest = 1;                                                                                               \
         cum[0] = 0;                                                                                                    \
         for (int i = 0; i < items; i++) {                                                                              \

@@ -79,7 +79,9 @@ def test_kernel_reads_strided_queries_and_is_deterministic(kernel):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 4, 64), (4, 2, 32)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim", [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 4, 64), (4, 2, 32), (8, 1, 64)]
+)
 def test_rows_of_a_sequence_checking_guesses_equal_each_row_alone(kernel, dtype, heads, kv_heads, dim):
     """A step that checks guesses has one row per guessed position, each over a prefix of the same blocks; the
     kernel reads those K rows once for the whole run. Every row must get, bit for bit, what it gets alone (greedy
