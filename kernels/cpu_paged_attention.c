@@ -315,21 +315,15 @@ static inline __attribute__((always_inline)) void lane_parts(const float *kt, co
     }
 }
 
-/* dst[x] = the sum of lanes 4k .. 4k + 3 in the order sum_lanes adds them */
+/* dst[x] = the sum of lanes 4k .. 4k + 3 in the order sum_lanes adds them: (4k + 4k+s) + (4k+3-s + 4k+3), where
+ * AVX-512's tree pairs lanes two apart (s = 2) and AVX2's hadd neighbours (s = 1) */
 static inline __attribute__((always_inline)) void quad_parts(const float *kt, const float *qs, vec *dst, const int k,
                                                              const int HB, const int np) {
+    const int s = VLANES == 16 ? 2 : 1;
     vec a[SCORE_HEADS], b[SCORE_HEADS];
-#if VLANES == 16
-    lane_parts(kt, qs, a, 4 * k, HB, np), lane_parts(kt, qs, b, 4 * k + 2, HB, np);
-#else
-    lane_parts(kt, qs, a, 4 * k, HB, np), lane_parts(kt, qs, b, 4 * k + 1, HB, np);
-#endif
+    lane_parts(kt, qs, a, 4 * k, HB, np), lane_parts(kt, qs, b, 4 * k + s, HB, np);
     for (int x = 0; x < HB; x++) a[x] = vadd(a[x], b[x]);
-#if VLANES == 16
-    lane_parts(kt, qs, b, 4 * k + 1, HB, np), lane_parts(kt, qs, dst, 4 * k + 3, HB, np);
-#else
-    lane_parts(kt, qs, b, 4 * k + 2, HB, np), lane_parts(kt, qs, dst, 4 * k + 3, HB, np);
-#endif
+    lane_parts(kt, qs, b, 4 * k + 3 - s, HB, np), lane_parts(kt, qs, dst, 4 * k + 3, HB, np);
     for (int x = 0; x < HB; x++) dst[x] = vadd(a[x], vadd(b[x], dst[x]));
 }
 
@@ -508,22 +502,26 @@ static void weigh_row(const uint16_t *v, const int64_t *at, int len, const float
     }
 }
 
-/* A run of R rows of one sequence over a bf16 cache of 64- or 128-value heads with up to 4 query heads a KV head
- * (rows qh + r * q_sb, outputs oh + r * o_sb): scores for every row's heads together (run_scores; one row alone
- * takes row_scores), then each row's softmax and weighted sum of V on its own. A row's result does not depend on
- * the rows beside it, bit for bit: a sequence checking guesses gets, at each row, what a one-token step would.
- * Returns 0 for any other shape. */
+/* One row of a bf16 cache of 64- or 128-value heads with up to 4 query heads a KV head: row_scores, softmax,
+ * weigh_row. Returns 0 for any other shape. */
 static int run_shape(int D, int group) { return (D == 64 || D == 128) && group <= 4; }
-static int attend_run_pairs(const uint16_t *qh, int64_t q_sb, int64_t q_sh, const uint16_t *k, const uint16_t *v,
-                            const int64_t *at, const int32_t *lens, int R, uint16_t *oh, int64_t o_sb, int g, int D,
-                            float scale, int group, int padded, float *scores, float *qs, const Ahead *ahead) {
+static int attend_row_pairs(const uint16_t *qh, int64_t q_sh, const uint16_t *k, const uint16_t *v, const int64_t *at,
+                            int len, uint16_t *oh, int g, int D, float scale, int group, int padded, float *scores,
+                            const Ahead *ahead) {
     if (!run_shape(D, group)) return 0;
-    if (R == 1) {
-        row_scores_of(qh, q_sh, k, v, at, lens[0], g, D, scale, group, padded, scores, ahead);
-        for (int j = 0; j < group; j++) softmax_inplace(scores + (size_t)j * padded, lens[0]);
-        weigh_row(v, at, lens[0], scores, padded, oh, g, group, D);
-        return 1;
-    }
+    row_scores_of(qh, q_sh, k, v, at, len, g, D, scale, group, padded, scores, ahead);
+    for (int j = 0; j < group; j++) softmax_inplace(scores + (size_t)j * padded, len);
+    weigh_row(v, at, len, scores, padded, oh, g, group, D);
+    return 1;
+}
+
+/* A run of R rows of one sequence, same shapes (rows qh + r * q_sb, outputs oh + r * o_sb): scores for every row's
+ * heads together (run_scores), then each row's softmax and weighted sum of V on its own. A row's result does not
+ * depend on the rows beside it, bit for bit: a sequence checking guesses gets, at each row, what a one-token step
+ * (attend_row_pairs) would. */
+static void attend_run_pairs(const uint16_t *qh, int64_t q_sb, int64_t q_sh, const uint16_t *k, const uint16_t *v,
+                             const int64_t *at, const int32_t *lens, int R, uint16_t *oh, int64_t o_sb, int g, int D,
+                             float scale, int group, int padded, float *scores, float *qs, const Ahead *ahead) {
     for (int r = 0; r < R; r++)
         for (int j = 0; j < group; j++) {
             const uint16_t *qr = qh + r * q_sb + (int64_t)(g * group + j) * q_sh;
@@ -537,7 +535,6 @@ static int attend_run_pairs(const uint16_t *qh, int64_t q_sb, int64_t q_sh, cons
         for (int j = 0; j < group; j++) softmax_inplace(sr + (size_t)j * padded, lens[r]);
         weigh_row(v, at, lens[r], sr, padded, oh + r * o_sb, g, group, D);
     }
-    return 1;
 }
 #define ATTEND_ITEM(SUFFIX, T, STORE)                                                                                  \
     static inline __attribute__((always_inline)) void attend_body_##SUFFIX(                                            \
@@ -619,6 +616,10 @@ static int attend_run_pairs(const uint16_t *qh, int64_t q_sb, int64_t q_sh, cons
     static void attend_item_##SUFFIX(const T *qh, int64_t q_sh, const T *k, const T *v, const int64_t *at, int len,    \
                                      T *oh, int g, int D, float scale, int group, int padded, float *scores,           \
                                      const Ahead *ahead) {                                                             \
+        if (sizeof(T) == 2 &&                                                                                          \
+            attend_row_pairs((const uint16_t *)qh, q_sh, (const uint16_t *)k, (const uint16_t *)v, at, len,            \
+                             (uint16_t *)oh, g, D, scale, group, padded, scores, ahead))                               \
+            return;                                                                                                    \
         switch (D / VLANES) {                                                                                          \
         case 4:                                                                                                        \
             attend_body_##SUFFIX(qh, q_sh, k, v, at, len, oh, g, D, scale, group, padded, scores, ahead, 4);           \
@@ -677,17 +678,16 @@ static inline float dot(const float *a, const float *b, int dim) {
         }                                                                                                              \
     }
 
-/* the pairs kernel is the vector builds' */
+/* runs are the vector builds' (find_runs forms none here) */
 static int run_shape(int D, int group) {
     (void)D, (void)group;
     return 0;
 }
-static int attend_run_pairs(const uint16_t *qh, int64_t q_sb, int64_t q_sh, const uint16_t *k, const uint16_t *v,
-                            const int64_t *at, const int32_t *lens, int R, uint16_t *oh, int64_t o_sb, int g, int D,
-                            float scale, int group, int padded, float *scores, float *qs, const Ahead *ahead) {
+static void attend_run_pairs(const uint16_t *qh, int64_t q_sb, int64_t q_sh, const uint16_t *k, const uint16_t *v,
+                             const int64_t *at, const int32_t *lens, int R, uint16_t *oh, int64_t o_sb, int g, int D,
+                             float scale, int group, int padded, float *scores, float *qs, const Ahead *ahead) {
     (void)qh, (void)q_sb, (void)q_sh, (void)k, (void)v, (void)at, (void)lens, (void)R, (void)oh, (void)o_sb, (void)g;
     (void)D, (void)scale, (void)group, (void)padded, (void)scores, (void)qs, (void)ahead;
-    return 0;
 }
 
 #endif
@@ -708,19 +708,18 @@ ATTEND_ITEM(f32, float, store_f32)
 ATTEND_ITEM(bf16, uint16_t, store_bf16)
 
 /* A run of R rows of one sequence (find_runs; rows qh + r * q_sb, outputs oh + r * o_sb, row r's context lens[r]
- * tokens at offsets `at`): together where attend_run_pairs takes the shape, else each row on its own. */
+ * tokens at offsets `at`): one row alone, or several together (find_runs forms runs only where attend_run_pairs
+ * takes them). */
 #define ATTEND_RUN(SUFFIX, T)                                                                                          \
     static void attend_run_##SUFFIX(const T *qh, int64_t q_sb, int64_t q_sh, const T *k, const T *v,                   \
                                     const int64_t *at, const int32_t *lens, int R, T *oh, int64_t o_sb, int g, int D,  \
                                     float scale, int group, int padded, float *scores, float *qs,                      \
                                     const Ahead *ahead) {                                                              \
-        if (sizeof(T) == 2 && attend_run_pairs((const uint16_t *)qh, q_sb, q_sh, (const uint16_t *)k,                  \
-                                               (const uint16_t *)v, at, lens, R, (uint16_t *)oh, o_sb, g, D, scale,    \
-                                               group, padded, scores, qs, ahead))                                      \
-            return;                                                                                                    \
-        for (int r = 0; r < R; r++)                                                                                    \
-            attend_item_##SUFFIX(qh + r * q_sb, q_sh, k, v, at, lens[r], oh + r * o_sb, g, D, scale, group, padded,    \
-                                 scores, r == 0 ? ahead : NULL);                                                       \
+        if (R == 1)                                                                                                    \
+            attend_item_##SUFFIX(qh, q_sh, k, v, at, lens[0], oh, g, D, scale, group, padded, scores, ahead);          \
+        else                                                                                                           \
+            attend_run_pairs((const uint16_t *)qh, q_sb, q_sh, (const uint16_t *)k, (const uint16_t *)v, at, lens, R,  \
+                             (uint16_t *)oh, o_sb, g, D, scale, group, padded, scores, qs, ahead);                     \
     }
 ATTEND_RUN(f32, float)
 ATTEND_RUN(bf16, uint16_t)
