@@ -749,6 +749,23 @@ static void block_sums(const float *x, int64_t ldx, int64_t M, int64_t K, float 
 
 static void store_rows(const float *acc, int rows, int cols, const float *bias, void *yout, int64_t ldy, int y_bf16,
                        int64_t row0, int64_t col0) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (y_bf16 && cols == G) { /* f32_to_bf16 on 16 lanes: a quarter of a 16-row step's time in scalar code */
+        const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+        const __m512 b = bias ? _mm512_loadu_ps(bias + col0) : _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            __m512 v = _mm512_loadu_ps(acc + r * G);
+            if (bias) v = _mm512_add_ps(v, b);
+            const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+            __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(hi, one)), 16);
+            const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                          _mm512_set1_epi32(0x7f800000));
+            h = _mm512_mask_or_epi32(h, nan, hi, _mm512_set1_epi32(0x40));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)yout + (row0 + r) * ldy + col0), _mm512_cvtepi32_epi16(h));
+        }
+        return;
+    }
+#endif
     for (int r = 0; r < rows; r++) {
         float lane[G];
         memcpy(lane, acc + r * G, sizeof lane);

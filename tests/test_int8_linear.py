@@ -100,7 +100,7 @@ def test_integer_sums_and_products_equal_the_reference(kernels, fmt, shape):
 
 @pytest.mark.parametrize("fmt", list(Q8_ACTIVATIONS))
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, fmt):
-    """Bit for bit, whatever the batch: a step's rows take the tile unit from a dozen rows on (AMX-INT8) and
+    """Bit for bit, whatever the batch: a step's rows take the tile unit from 8 rows on (AMX-INT8) and
     vpdpbusd below, and both scale the same integer sums by the same operations in the same order. Speculation's
     checks and continuous batching rely on it (a guess is kept only where it is the row's own pick)."""
     gen = torch.Generator().manual_seed(11)
