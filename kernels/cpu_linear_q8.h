@@ -92,9 +92,8 @@ static inline void quantize_block_q8(const float *v, int8_t *q, float *d_out, in
 #endif
 }
 
-/* Row x (K values, fp32 or bf16) as Q8 blocks: block b's quants at xq + b * qstep, its scale and sum at xd[b],
- * xs[b]. */
-static void quantize_row_q8(const void *x, int x_bf16, int64_t K, int8_t *xq, int64_t qstep, float *xd, int32_t *xs) {
+/* Row x (K values, fp32 or bf16) as Q8 blocks: xq [nb * KB], xd [nb], xs [nb]. */
+static void quantize_row_q8(const void *x, int x_bf16, int64_t K, int8_t *xq, float *xd, int32_t *xs) {
     const int64_t nb = (K + KB - 1) / KB;
     for (int64_t b = 0; b < nb; b++) {
         float v[KB] __attribute__((aligned(64)));
@@ -111,36 +110,24 @@ static void quantize_row_q8(const void *x, int x_bf16, int64_t K, int8_t *xq, in
                 v[k] = k >= kn   ? 0.0f
                        : x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k0 + k])
                                 : ((const float *)x)[k0 + k];
-        quantize_block_q8(src, xq + b * qstep, xd + b, xs + b);
+        quantize_block_q8(src, xq + k0, xd + b, xs + b);
     }
-}
-
-/* Row r of x: its scales and sums at xd, xs [r][nb], its quants in panels of P rows: a panel holds, block by block,
- * its rows' quants [nb][P][KB], so that the products read a block's rows from one place (P = 1: row after row). */
-static void quantize_panel_row(const void *x, int64_t ldx, int x_bf16, int64_t r, int64_t K, int64_t P, int8_t *xq,
-                               float *xd, int32_t *xs) {
-    const int64_t nb = (K + KB - 1) / KB;
-    quantize_row_q8((const char *)x + r * ldx * (x_bf16 ? 2 : 4), x_bf16, K, xq + (r / P * nb * P + r % P) * KB,
-                    P * KB, xd + r * nb, xs + r * nb);
 }
 
 /* M rows at row stride ldx; in parallel only where there is enough of them (an OpenMP region costs more than a
  * row). */
-static void quantize_panels(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int64_t P, int8_t *xq,
-                            float *xd, int32_t *xs, int nthreads) {
-    if (M * K <= 65536) {
-        for (int64_t r = 0; r < M; r++) quantize_panel_row(x, ldx, x_bf16, r, K, P, xq, xd, xs);
-        return;
-    }
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t r = 0; r < M; r++) quantize_panel_row(x, ldx, x_bf16, r, K, P, xq, xd, xs);
-}
-
-/* For the tests: M rows as Q8 blocks, row after row (xq [M][nb * KB], xd and xs [M][nb]). */
 int quantize_q8(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *xd, int32_t *xs,
                 int nthreads) {
     if (M < 0 || K <= 0 || ldx < K) return -1;
-    quantize_panels(x, ldx, x_bf16, M, K, 1, xq, xd, xs, nthreads);
+    const int64_t nb = (K + KB - 1) / KB, es = x_bf16 ? 2 : 4;
+    if (M * K <= 65536) {
+        for (int64_t r = 0; r < M; r++)
+            quantize_row_q8((const char *)x + r * ldx * es, x_bf16, K, xq + r * nb * KB, xd + r * nb, xs + r * nb);
+        return 0;
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < M; r++)
+        quantize_row_q8((const char *)x + r * ldx * es, x_bf16, K, xq + r * nb * KB, xd + r * nb, xs + r * nb);
     return 0;
 }
 
@@ -244,13 +231,13 @@ static inline __attribute__((always_inline)) void block_ints(const int fmt, cons
 /* The offset a block's sums carry per unit of S: Q4_0's 8, and Q8_0's 128 where vpdpbusd read c + 128. */
 #define Q8_OFFSET(fmt) ((fmt) == Q4_0_Q8 ? 8 : (fmt) == Q8_0_Q8 && Q8_ISA == 2 ? 128 : 0)
 
-/* acc[R][16] = the products of R rows (a panel of P >= R: xq [nb][P][KB], xd and xt [nb][P], linear_q8) with one
- * group of 16 columns, over all nb blocks: y += (dw dx) (I - off S) (+ mw dx S), in registers. */
+/* acc[R][16] = the products of R rows with one group of 16 columns, over all nb blocks: y += (dw dx) (I - off S)
+ * (+ mw dx S), in registers. */
 static inline __attribute__((always_inline)) void group_q8(const int fmt, const uint8_t *blk, int64_t nb,
-                                                            const int8_t *xq, const float *xd, const void *xt,
-                                                            int64_t P, const int R, float *acc) {
-    const int32_t *xo = xt; /* Q8_0, Q4_0: off S */
-    const float *xm = xt;   /* Q4_1: dx S */
+                                                            const int8_t *xq, const float *xd, const int32_t *xs,
+                                                            const int R, float *acc) {
+    const int64_t ldq = nb * KB;
+    const int32_t offset = Q8_OFFSET(fmt);
 #if Q8_ISA == 2
     __m512 y[Q8_RT];
     for (int r = 0; r < R; r++) y[r] = _mm512_setzero_ps();
@@ -266,16 +253,17 @@ static inline __attribute__((always_inline)) void group_q8(const int fmt, const 
 #pragma GCC unroll 9
         for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
         q8_ints a[Q8_RT];
-        block_ints(fmt, blk + q8_quants(fmt), xq + b * P * KB, KB, R, a);
-        const int64_t i0 = b * P;
+        block_ints(fmt, blk + q8_quants(fmt), xq + b * KB, ldq, R, a);
 #if Q8_ISA == 2
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
         const __m512 mw = fmt == Q4_1_Q8 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * G)))
                                          : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
-            __m512i I = Q8_OFFSET(fmt) ? _mm512_sub_epi32(a[r], _mm512_set1_epi32(xo[i0 + r])) : a[r];
-            y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(dw, _mm512_set1_ps(xd[i0 + r])), y[r]);
-            if (fmt == Q4_1_Q8) y[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xm[i0 + r]), y[r]);
+            const float dx = xd[r * nb + b];
+            const int32_t s = xs[r * nb + b];
+            __m512i I = offset ? _mm512_sub_epi32(a[r], _mm512_set1_epi32(offset * s)) : a[r];
+            y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(dw, _mm512_set1_ps(dx)), y[r]);
+            if (fmt == Q4_1_Q8) y[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * (float)s), y[r]);
         }
 #elif Q8_ISA == 1
         const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
@@ -286,16 +274,17 @@ static inline __attribute__((always_inline)) void group_q8(const int fmt, const 
             m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * G + 16)));
         }
         for (int r = 0; r < R; r++) {
-            const __m256 dx = _mm256_set1_ps(xd[i0 + r]);
+            const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+            const int32_t s = xs[r * nb + b];
             __m256i I0 = a[r].lo, I1 = a[r].hi;
-            if (Q8_OFFSET(fmt)) {
-                const __m256i o = _mm256_set1_epi32(xo[i0 + r]);
+            if (offset) {
+                const __m256i o = _mm256_set1_epi32(offset * s);
                 I0 = _mm256_sub_epi32(I0, o), I1 = _mm256_sub_epi32(I1, o);
             }
             y[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I0), _mm256_mul_ps(d0, dx), y[r][0]);
             y[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I1), _mm256_mul_ps(d1, dx), y[r][1]);
             if (fmt == Q4_1_Q8) {
-                const __m256 ms = _mm256_set1_ps(xm[i0 + r]);
+                const __m256 ms = _mm256_set1_ps(xd[r * nb + b] * (float)s);
                 y[r][0] = _mm256_fmadd_ps(m0, ms, y[r][0]);
                 y[r][1] = _mm256_fmadd_ps(m1, ms, y[r][1]);
             }
@@ -305,11 +294,11 @@ static inline __attribute__((always_inline)) void group_q8(const int fmt, const 
         load_h(blk, d);
         if (fmt == Q4_1_Q8) load_h(blk + 2 * G, m);
         for (int r = 0; r < R; r++) {
-            const float dx = xd[i0 + r];
-            const int32_t o = Q8_OFFSET(fmt) ? xo[i0 + r] : 0;
+            const float dx = xd[r * nb + b];
+            const int32_t s = xs[r * nb + b];
             for (int c = 0; c < G; c++) {
-                y[r][c] += (d[c] * dx) * (float)(a[r].c[c] - o);
-                if (fmt == Q4_1_Q8) y[r][c] += m[c] * xm[i0 + r];
+                y[r][c] += (d[c] * dx) * (float)(a[r].c[c] - offset * s);
+                if (fmt == Q4_1_Q8) y[r][c] += m[c] * (dx * (float)s);
             }
         }
 #endif
@@ -326,16 +315,16 @@ static inline __attribute__((always_inline)) void group_q8(const int fmt, const 
     }
 }
 
-static void group_q8_rows(int fmt, const uint8_t *blk, int64_t nb, const int8_t *xq, const float *xd, const void *xt,
-                          int64_t P, int rows, float *acc) {
+static void group_q8_rows(int fmt, const uint8_t *blk, int64_t nb, const int8_t *xq, const float *xd,
+                          const int32_t *xs, int rows, float *acc) {
 #define Q8_CASE(R)                                                                                                     \
     case R:                                                                                                            \
         if (fmt == Q8_0_Q8)                                                                                            \
-            group_q8(Q8_0_Q8, blk, nb, xq, xd, xt, P, R, acc);                                                     \
+            group_q8(Q8_0_Q8, blk, nb, xq, xd, xs, R, acc);                                                        \
         else if (fmt == Q4_0_Q8)                                                                                       \
-            group_q8(Q4_0_Q8, blk, nb, xq, xd, xt, P, R, acc);                                                     \
+            group_q8(Q4_0_Q8, blk, nb, xq, xd, xs, R, acc);                                                        \
         else                                                                                                           \
-            group_q8(Q4_1_Q8, blk, nb, xq, xd, xt, P, R, acc);                                                     \
+            group_q8(Q4_1_Q8, blk, nb, xq, xd, xs, R, acc);                                                        \
         return;
     switch (rows) {
         Q8_CASE(1)
@@ -399,13 +388,13 @@ static inline void q4_codes(const int fmt, const uint8_t *qs, uint8_t *out) {
  * integers), at 3-5 vector instructions a row and block where vpdpbusd needs 12-13. The two units meet only through
  * memory (the 4-bit codes laid out for the tile, the sums stored from it), so each step of the loop lays out block
  * t, multiplies block t - Q8_AMX_AHEAD (and stores the sums of the block before it) and scales block
- * t - 2 Q8_AMX_AHEAD: independent streams, each reading what was stored at least a step before. The rows are a
- * panel of 16 (linear_q8): a block's quants are one tile load, and its scales and terms one run that the scaling,
- * unrolled over all rmax rows with y in registers, reads at fixed offsets (rows read row by row kept y and their
- * pointers on the stack: 1.07-1.19x slower from 16 to 72 rows). */
+ * t - 2 Q8_AMX_AHEAD: independent streams, each reading what was stored at least a step before. The rows' scales
+ * and terms come as one run per block (xdt, xtt: linear_q8_amx), so that the scaling, unrolled over all rmax rows,
+ * keeps y in registers and reads them at fixed offsets (rows read at r * nb + b kept y and the rows' pointers on the
+ * stack: 1.07-1.19x slower from 16 to 72 rows). */
 static inline __attribute__((always_inline)) void group_q8_amx(const int fmt, const uint8_t *blk, int64_t nb,
-                                                                const int8_t *xq, int64_t ldq, const float *xd,
-                                                                const void *xt, const int rmax, float *acc) {
+                                                                const int8_t *xq, int64_t ldq, const float *xdt,
+                                                                const float *xtt, const int rmax, float *acc) {
     enum { D = Q8_AMX_AHEAD, RING = 2 * Q8_AMX_AHEAD };
     const int64_t bb = q8_quants(fmt) + (fmt == Q8_0_Q8 ? KB * G : KB * G / 2);
     uint8_t codes[RING][KB * G] __attribute__((aligned(64))); /* 4-bit only: Q8_0's tile is its packing */
@@ -455,14 +444,13 @@ static inline __attribute__((always_inline)) void group_q8_amx(const int fmt, co
             const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)bs));
             const __m512 mw = fmt == Q4_1_Q8 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(bs + 2 * G)))
                                              : _mm512_setzero_ps();
-            const float *xdb = xd + b * 16;
-            const int32_t *xtb = (const int32_t *)xt + b * 16;
+            const float *xdb = xdt + b * 16, *xtb = xtt + b * 16;
 #pragma GCC unroll 16
             for (int r = 0; r < rmax; r++) {
                 __m512i I = _mm512_load_si512(cb + r * G);
-                if (fmt == Q8_0_Q8) I = _mm512_sub_epi32(I, _mm512_set1_epi32(xtb[r]));
+                if (fmt == Q8_0_Q8) I = _mm512_sub_epi32(I, _mm512_set1_epi32(((const int32_t *)xtb)[r]));
                 y[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(dw, _mm512_set1_ps(xdb[r])), y[r]);
-                if (fmt == Q4_1_Q8) y[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(((const float *)xtb)[r]), y[r]);
+                if (fmt == Q4_1_Q8) y[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xtb[r]), y[r]);
             }
         }
     }
@@ -472,25 +460,42 @@ static inline __attribute__((always_inline)) void group_q8_amx(const int fmt, co
 
 /* group_q8_amx with its format and register budget known to the compiler. */
 static void group_q8_amx_rows(int fmt, const uint8_t *blk, int64_t nb, const int8_t *xq, int64_t ldq,
-                              const float *xd, const void *xt, int rows, float *acc) {
+                              const float *xdt, const float *xtt, int rows, float *acc) {
     const int r8 = rows <= 8;
     if (fmt == Q8_0_Q8)
-        r8 ? group_q8_amx(Q8_0_Q8, blk, nb, xq, ldq, xd, xt, 8, acc)
-           : group_q8_amx(Q8_0_Q8, blk, nb, xq, ldq, xd, xt, 16, acc);
+        r8 ? group_q8_amx(Q8_0_Q8, blk, nb, xq, ldq, xdt, xtt, 8, acc)
+           : group_q8_amx(Q8_0_Q8, blk, nb, xq, ldq, xdt, xtt, 16, acc);
     else if (fmt == Q4_0_Q8)
-        r8 ? group_q8_amx(Q4_0_Q8, blk, nb, xq, ldq, xd, xt, 8, acc)
-           : group_q8_amx(Q4_0_Q8, blk, nb, xq, ldq, xd, xt, 16, acc);
+        r8 ? group_q8_amx(Q4_0_Q8, blk, nb, xq, ldq, xdt, xtt, 8, acc)
+           : group_q8_amx(Q4_0_Q8, blk, nb, xq, ldq, xdt, xtt, 16, acc);
     else
-        r8 ? group_q8_amx(Q4_1_Q8, blk, nb, xq, ldq, xd, xt, 8, acc)
-           : group_q8_amx(Q4_1_Q8, blk, nb, xq, ldq, xd, xt, 16, acc);
+        r8 ? group_q8_amx(Q4_1_Q8, blk, nb, xq, ldq, xdt, xtt, 8, acc)
+           : group_q8_amx(Q4_1_Q8, blk, nb, xq, ldq, xdt, xtt, 16, acc);
 }
+
 /* linear_q8 on the tile unit: the rows in passes of 16 (more than 16 are zero-padded to whole passes, so every pass
- * loads as many rows as the tiles are configured for); xd and xt in panels of 16. */
-static void linear_q8_amx(const int8_t *xq, const float *xd, const int32_t *xt, int64_t M, int64_t nb,
-                          const uint8_t *w, int fmt, int64_t N, const float *bias, void *yout, int64_t ldy,
-                          int y_bf16, int nthreads) {
+ * loads as many rows as the tiles are configured for). */
+static int linear_q8_amx(const int8_t *xq, const float *xd, const int32_t *xs, int64_t M, int64_t nb,
+                         const uint8_t *w, int fmt, int64_t N, const float *bias, void *yout, int64_t ldy,
+                         int y_bf16, int nthreads) {
     const int64_t groups = (N + G - 1) / G, bb = block_nbytes(fmt), ldq = nb * KB;
     const int tile_rows = M < 16 ? (int)M : 16;
+    /* per pass of 16 rows and block, the rows' scales dx and their term beside I (Q8_0's 128 S, taken off I; Q4_1's
+     * dx S, times m; Q4_0 none), [pass][block][16 rows], zero past M: what the scaling of a block reads as one run */
+    const int64_t passes = (M + 15) / 16;
+    float *xdt = calloc((size_t)(2 * passes * nb * 16), sizeof(float));
+    if (!xdt) return -2;
+    float *xtt = xdt + passes * nb * 16;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t i = r * nb + b, at = ((r / 16) * nb + b) * 16 + r % 16;
+            xdt[at] = xd[i];
+            if (fmt == Q8_0_Q8) {
+                const int32_t o = Q8_OFFSET(Q8_0_Q8) * xs[i];
+                memcpy(xtt + at, &o, sizeof o);
+            } else if (fmt == Q4_1_Q8)
+                xtt[at] = xd[i] * (float)xs[i];
+        }
 #pragma omp parallel num_threads(nthreads)
     {
         q8_amx_configure(tile_rows);
@@ -500,13 +505,15 @@ static void linear_q8_amx(const int8_t *xq, const float *xd, const int32_t *xt, 
             const int cols = N - g * G < G ? (int)(N - g * G) : G;
             for (int64_t r0 = 0; r0 < M; r0 += 16) {
                 const int rows = M - r0 < 16 ? (int)(M - r0) : 16;
-                group_q8_amx_rows(fmt, w + g * nb * bb, nb, xq + r0 * ldq, ldq, xd + r0 * nb, xt + r0 * nb, rows,
+                group_q8_amx_rows(fmt, w + g * nb * bb, nb, xq + r0 * ldq, ldq, xdt + r0 * nb, xtt + r0 * nb, rows,
                                   acc);
                 store_rows(acc, rows, cols, bias, yout, ldy, y_bf16, r0, g * G);
             }
         }
         _tile_release();
     }
+    free(xdt);
+    return 0;
 }
 #else
 #define Q8_AMX 0
@@ -521,48 +528,31 @@ int q8_isa(void) {
     return Q8_ISA;
 }
 
-/* y = x W^T + bias over Q8-activation packings: x quantized once into panels of P rows, then each thread's groups
- * of columns, a panel at a time (after the first panel, a group's blocks come from L1 or L2). Vector registers take
- * panels of Q8_RT rows (or M, if fewer). The tile unit takes passes of 16 rows (past M zero): its tile loads read the
- * quants row after row (as panels of 16 the layer's projections ran 5-10% slower at 24-72 rows), its scaling reads
- * panels of 16. A panel's term beside I per row and block (xt): off S, taken off I (Q8_0 where its codes were read
- * as c + 128; Q4_0 on the vector unit, which multiplies c, not c - 8), or Q4_1's dx S, times m. */
+/* y = x W^T + bias over Q8-activation packings: x quantized once, then each thread's groups of columns, Q8_RT rows
+ * at a time (after the first tile, a group's blocks come from L1 or L2). */
 static int linear_q8(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int fmt,
                      int64_t N, const float *bias, void *yout, int64_t ldy, int y_bf16, int nthreads) {
     const int64_t nb = (K + KB - 1) / KB, groups = (N + G - 1) / G, bb = block_nbytes(fmt);
 #if Q8_AMX
     const int amx = M >= (fmt == Q8_0_Q8 ? Q8_AMX_ROWS_Q8 : Q8_AMX_ROWS) && amx_usable();
+    const int64_t mq = amx && M > 16 ? (M + 15) / 16 * 16 : M; /* the tiles' passes read whole 16 rows */
 #else
-    const int amx = 0;
+    const int64_t mq = M;
 #endif
-    const int64_t P = amx ? 16 : M < Q8_RT ? M : Q8_RT, n = (M + P - 1) / P * P * nb; /* rows x blocks, padded */
-    int8_t *xq = malloc((size_t)(n * KB));
-    float *xr = malloc(sizeof(float) * (size_t)(M * nb)), *xd = calloc((size_t)n, sizeof(float));
-    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(M * nb)), *xt = calloc((size_t)n, sizeof(int32_t));
-    if (!xq || !xr || !xd || !xs || !xt) {
-        free(xq), free(xr), free(xd), free(xs), free(xt);
+    int8_t *xq = malloc((size_t)(mq * nb * KB));
+    float *xd = malloc(sizeof(float) * (size_t)(M * nb));
+    int32_t *xs = malloc(sizeof(int32_t) * (size_t)(M * nb));
+    if (!xq || !xd || !xs) {
+        free(xq), free(xd), free(xs);
         return -2;
     }
-    quantize_panels(xin, ldx, x_bf16, M, K, amx ? 1 : P, xq, xr, xs, nthreads);
-    if (amx) /* the tiles load whole passes of 16 rows; vector registers read only the panel's rows */
-        memset(xq + M * nb * KB, 0, (size_t)((n - M * nb) * KB));
-    const int32_t off = fmt == Q8_0_Q8 && amx ? 128 : Q8_OFFSET(fmt) * !amx;
-    for (int64_t r = 0; r < M; r++) /* the scales and terms in panels: here, not in the threads that quantized */
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t i = r * nb + b, at = (r / P * nb + b) * P + r % P;
-            xd[at] = xr[i];
-            if (fmt == Q4_1_Q8) {
-                const float m = xr[i] * (float)xs[i];
-                memcpy(xt + at, &m, sizeof m);
-            } else
-                xt[at] = off * xs[i];
-        }
-    free(xr), free(xs);
+    quantize_q8(xin, ldx, x_bf16, M, K, xq, xd, xs, nthreads);
 #if Q8_AMX
     if (amx) {
-        linear_q8_amx(xq, xd, xt, M, nb, w, fmt, N, bias, yout, ldy, y_bf16, nthreads);
-        free(xq), free(xd), free(xt);
-        return 0;
+        memset(xq + M * nb * KB, 0, (size_t)((mq - M) * nb * KB));
+        const int rc = linear_q8_amx(xq, xd, xs, M, nb, w, fmt, N, bias, yout, ldy, y_bf16, nthreads);
+        free(xq), free(xd), free(xs);
+        return rc;
     }
 #endif
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -571,11 +561,11 @@ static int linear_q8(const void *xin, int64_t ldx, int x_bf16, int64_t M, int64_
         const int cols = N - g * G < G ? (int)(N - g * G) : G;
         for (int64_t r0 = 0; r0 < M; r0 += Q8_RT) {
             const int rows = M - r0 < Q8_RT ? (int)(M - r0) : Q8_RT;
-            group_q8_rows(fmt, w + g * nb * bb, nb, xq + r0 * nb * KB, xd + r0 * nb, xt + r0 * nb, P, rows, acc);
+            group_q8_rows(fmt, w + g * nb * bb, nb, xq + r0 * nb * KB, xd + r0 * nb, xs + r0 * nb, rows, acc);
             store_rows(acc, rows, cols, bias, yout, ldy, y_bf16, r0, g * G);
         }
     }
-    free(xq), free(xd), free(xt);
+    free(xq), free(xd), free(xs);
     return 0;
 }
 
