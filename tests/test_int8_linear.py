@@ -109,7 +109,7 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, fmt):
     packed, packing = quant_linear.pack_q8(blocks), Q8_ACTIVATIONS[fmt]
     x = torch.randn(40, k, generator=gen).bfloat16()
     alone = torch.cat([kernels.linear(x[i : i + 1], packed, packing, n, None) for i in range(len(x))])
-    for m in (4, 8, 12, 16, 17, 40):
+    for m in (4, 8, 10, 12, 16, 17, 21, 40):
         assert torch.equal(kernels.linear(x[:m], packed, packing, n, None), alone[:m]), m
 
 
