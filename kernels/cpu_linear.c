@@ -750,7 +750,7 @@ static void block_sums(const float *x, int64_t ldx, int64_t M, int64_t K, float 
 static void store_rows(const float *acc, int rows, int cols, const float *bias, void *yout, int64_t ldy, int y_bf16,
                        int64_t row0, int64_t col0) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (y_bf16 && cols == G) { /* f32_to_bf16 on 16 lanes: a quarter of a 16-row step's time in scalar code */
+    if (y_bf16 && cols == G) { /* f32_to_bf16 on 16 lanes (scalar: 7-11% of an int8 call at 16 rows) */
         const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
         const __m512 b = bias ? _mm512_loadu_ps(bias + col0) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
