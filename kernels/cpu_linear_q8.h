@@ -482,7 +482,10 @@ static void group_q8_amx_rows(int fmt, const uint8_t *blk, int64_t nb, const int
 }
 
 /* linear_q8 on the tile unit: the rows in passes of 16 (more than 16 are zero-padded to whole passes, so every pass
- * loads as many rows as the tiles are configured for). */
+ * loads as many rows as the tiles are configured for). A last pass of fewer than the tile unit's rows takes vpdpbusd
+ * (the same sums and scaling, so the same results): a tile pass costs a block's fixed ~30 cycles whatever its rows
+ * (Sapphire Rapids, the built-in model's linears, a step's sum: 16 rows 8.5-9.9 ms; 17 rows 11.2-12.9 with a second
+ * tile pass, 9.4-11.0 with vpdpbusd; 24 rows 12.0-13.8 either way: from 8 rows vpdpbusd is no faster). */
 static int linear_q8_amx(const int8_t *xq, const float *xd, const int32_t *xs, int64_t M, int64_t nb,
                          const uint8_t *w, int fmt, int64_t N, const float *bias, void *yout, int64_t ldy,
                          int y_bf16, int nthreads) {
@@ -504,6 +507,7 @@ static int linear_q8_amx(const int8_t *xq, const float *xd, const int32_t *xs, i
             } else if (fmt == Q4_1_Q8)
                 xtt[at] = xd[i] * (float)xs[i];
         }
+    const int min_rows = fmt == Q8_0_Q8 ? Q8_AMX_ROWS_Q8 : Q8_AMX_ROWS;
 #pragma omp parallel num_threads(nthreads)
     {
         q8_amx_configure(tile_rows);
@@ -513,8 +517,12 @@ static int linear_q8_amx(const int8_t *xq, const float *xd, const int32_t *xs, i
             const int cols = N - g * G < G ? (int)(N - g * G) : G;
             for (int64_t r0 = 0; r0 < M; r0 += 16) {
                 const int rows = M - r0 < 16 ? (int)(M - r0) : 16;
-                group_q8_amx_rows(fmt, w + g * nb * bb, nb, xq + r0 * ldq, ldq, xdt + r0 * nb, xtt + r0 * nb, rows,
-                                  acc);
+                if (rows < min_rows) {
+                    group_q8_rows(fmt, w + g * nb * bb, nb, xq + r0 * ldq, xd + r0 * nb, xs + r0 * nb, rows, acc);
+                } else {
+                    group_q8_amx_rows(fmt, w + g * nb * bb, nb, xq + r0 * ldq, ldq, xdt + r0 * nb, xtt + r0 * nb,
+                                      rows, acc);
+                }
                 store_rows(acc, rows, cols, bias, yout, ldy, y_bf16, r0, g * G);
             }
         }

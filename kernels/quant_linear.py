@@ -387,10 +387,10 @@ class QuantLinear(nn.Module):
         """Rows up to which each row's output, bf16 activations in, is the one it gets alone (its sums run in one
         order whatever rows share the step; tests/test_quant_linear.py checks it at every ISA level): what a step
         that checks speculative guesses may hold and keep its tokens those of one-row steps. 1 where the kernel
-        switches tiles by the row count. The integer products (int8 activations) never use the AMX tiles."""
+        switches tiles by the row count. The integer products (int8 activations) sum exactly on either unit."""
         kernels = self.kernels
         if self.packing in Q8_ACTIVATIONS.values():  # integer block sums, then one fp32 sum per block and row
-            return self.bf16_rows  # (no tile unit: cpu_linear_q8.h)
+            return self.bf16_rows  # (the tile unit's sums are vpdpbusd's: cpu_linear_q8.h)
         if kernels.tiles:
             return AMX_ROWS - 1
         if self.fmt == "bf16_rows":  # tile_rows_dp2 / tile_rows_f32, then oneDNN

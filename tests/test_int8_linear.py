@@ -100,16 +100,17 @@ def test_integer_sums_and_products_equal_the_reference(kernels, fmt, shape):
 
 @pytest.mark.parametrize("fmt", list(Q8_ACTIVATIONS))
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kernels, fmt):
-    """Bit for bit, whatever the batch: a step's rows take the tile unit from 8 rows on (AMX-INT8) and
-    vpdpbusd below, and both scale the same integer sums by the same operations in the same order. Speculation's
-    checks and continuous batching rely on it (a guess is kept only where it is the row's own pick)."""
+    """Bit for bit, whatever the batch: a step's rows take the tile unit from 8 rows on (AMX-INT8) in passes of
+    16, vpdpbusd below and for a last pass of fewer than 8 (17, 33), and both scale the same integer sums by the
+    same operations in the same order. Speculation's checks and continuous batching rely on it (a guess is kept
+    only where it is the row's own pick)."""
     gen = torch.Generator().manual_seed(11)
     n, k = 70, 200
     blocks = quant_linear.quantize(torch.randn(n, k, generator=gen), fmt)
     packed, packing = quant_linear.pack_q8(blocks), Q8_ACTIVATIONS[fmt]
     x = torch.randn(40, k, generator=gen).bfloat16()
     alone = torch.cat([kernels.linear(x[i : i + 1], packed, packing, n, None) for i in range(len(x))])
-    for m in (4, 8, 10, 12, 16, 17, 21, 40):
+    for m in (4, 8, 10, 12, 16, 17, 21, 24, 33, 40):
         assert torch.equal(kernels.linear(x[:m], packed, packing, n, None), alone[:m]), m
 
 
