@@ -540,3 +540,17 @@ def test_the_ceiling_times_steps_where_every_sequence_checks_its_guesses(tiny_mo
     assert rows[-2:] == [8 * 4, 8 * 4]
     assert "_propose" not in vars(engine)
     assert engine.scheduler.allocator.num_free_blocks == free
+
+
+def test_the_c8_window_closes_when_the_first_client_runs_out_of_requests():
+    """The "8 in flight" rate counts what came before the first client had nothing left to send; the whole block's
+    rate counts everything."""
+    from pdserve.benchmarks.speculation import _Block
+
+    block = _Block(start=0.0)
+    block.add(5)
+    block.client_done()
+    block.add(3)
+    block.client_done()
+    assert block.produced == 8
+    assert block.in_flight is not None and block.in_flight[0] == 5 and block.in_flight[1] > 0
