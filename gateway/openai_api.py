@@ -187,8 +187,9 @@ async def _complete(
         watch.cancel()
         if not work.done():
             work.cancel()  # the client left: cancel the request everywhere
-        with contextlib.suppress(BaseException):
-            await watch
+        for task in (watch, work):  # a cancelled task is cancelled only once it has run to its end
+            with contextlib.suppress(BaseException):
+                await task
     if work.cancelled():
         return JSONResponse({}, status_code=499)
     try:
