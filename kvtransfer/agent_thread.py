@@ -18,8 +18,9 @@ from pdserve.kvtransfer.errors import TransferError, TransferTimeout
 log = logging.getLogger(__name__)
 
 PROGRESS_S = 1e-3  # UCX progress while peers are connected and nothing is in flight, just after one connected
-IDLE_PROGRESS_S = 50e-3  # ... and once the connections are up
-WIRE_UP_S = 2.0  # how long "just after" is
+IDLE_PROGRESS_S = 50e-3  # ... and once the connections are up, just after the last read or announced layer
+IDLE_PROGRESS_MAX_S = 1.0  # ... doubling up to this while nothing more happens (an idle worker hardly wakes)
+WIRE_UP_S = 2.0  # how long "just after" a connection is
 POLL_S = 20e-6  # between polls of operations in flight
 
 
@@ -39,6 +40,8 @@ class AgentThread:
         self.agent = agent
         self.connected = 0  # peers using this agent: progress UCX while any are
         self._wire_up_until = 0.0
+        self._idle_wait = IDLE_PROGRESS_S  # the next idle progress wait: doubles while nothing happens
+        self._waiting = 0.0  # the idle progress wait the thread is in (0: none)
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._reads: list[Read] = []
         self._cond = threading.Condition()
@@ -53,14 +56,23 @@ class AgentThread:
             if self._stopping:
                 raise TransferError("the KV plane is closed")
             self._calls.append((fn, fut))
+            self._idle_wait = IDLE_PROGRESS_S
             self._cond.notify()
         return asyncio.wrap_future(fut)
+
+    def active(self) -> None:
+        """A peer is about to read: progress soon and often again (emulated reads need this side's progress)."""
+        with self._cond:
+            self._idle_wait = IDLE_PROGRESS_S
+            if self._waiting > IDLE_PROGRESS_S:  # in a backed-off wait: cut it short (a shorter one ends soon)
+                self._cond.notify()
 
     def connect(self, delta: int) -> None:
         with self._cond:
             self.connected += delta
             if delta > 0:
                 self._wire_up_until = time.monotonic() + WIRE_UP_S
+            self._idle_wait = IDLE_PROGRESS_S
             self._cond.notify()
 
     def track(self, read: Read) -> None:
@@ -72,6 +84,7 @@ class AgentThread:
             with self._cond:
                 if not self._calls and not self._reads and not self._stopping:
                     self._cond.wait(self._progress_interval())
+                    self._waiting = 0.0
                 if self._stopping and not self._calls and not self._reads:
                     return
                 calls = list(self._calls)
@@ -90,9 +103,14 @@ class AgentThread:
                 self.agent.get_new_notifs()  # progresses UCX: wire-up and software-emulated gets need the peer's
 
     def _progress_interval(self) -> float | None:
+        """(Holding the lock.) How long to wait for a call before the next progress: none without peers."""
         if not self.connected:
             return None
-        return PROGRESS_S if time.monotonic() < self._wire_up_until else IDLE_PROGRESS_S
+        if time.monotonic() < self._wire_up_until:
+            return PROGRESS_S
+        wait = self._waiting = self._idle_wait
+        self._idle_wait = min(2 * wait, IDLE_PROGRESS_MAX_S)
+        return wait
 
     def _poll(self) -> None:
         now = time.perf_counter()

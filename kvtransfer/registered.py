@@ -13,8 +13,9 @@ the receivers it chose to connect to.
 
 One thread owns each agent (NIXL's agent is not thread-safe in the mode used here): it posts operations, polls
 them, and progresses UCX while peers are connected: every millisecond for a while after one connects (wire-up needs
-both sides), then every 50 ms (a kernel copy or an RDMA read needs nothing of the side read from; waking every
-millisecond took the cores a forward pass runs on). NIXL's own progress thread would spin a core.
+both sides), then every 50 ms after a read or an announced layer, doubling up to once a second while nothing more
+happens (a kernel copy or an RDMA read needs nothing of the side read from; waking every millisecond took the cores
+a forward pass runs on, and an idle worker should hardly wake). NIXL's own progress thread would spin a core.
 The event loops never copy KV bytes: copies run inside UCX on that thread (with CMA between processes on one host,
 the kernel copies; on GPU hosts, CUDA IPC or RDMA).
 """
@@ -214,6 +215,10 @@ class RegisteredCache:
     def serving(self, delta: int) -> None:
         """A receiver that reads from this cache connected (+1) or went (-1): UCX progresses while any is there."""
         self._thread.connect(delta)
+
+    def announced(self) -> None:
+        """Layers of this cache were just announced to a reader: progress UCX often again (its reads may need it)."""
+        self._thread.active()
 
     async def load(self, descriptor: CacheDescriptor) -> RemoteCache:
         """Make a peer's cache readable (once per peer agent; `unload` when its connection ends)."""

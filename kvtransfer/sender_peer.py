@@ -117,6 +117,8 @@ class Peer:
             for i in items:
                 if i.ready is not None:  # a layer is announced only once the GPU has written it
                     await asyncio.to_thread(i.ready.synchronize)
+            if self.read_by is not None:
+                self.read_by.announced()
             await asyncio.wait_for(self.conn.send_many([(i.message, i.payloads) for i in items]), self.timeout)
         except PeerDisconnected as e:
             self.fail(PeerDisconnected(f"sending KV to {self.address} failed: {e!r}"))

@@ -185,3 +185,44 @@ def test_a_receiver_that_cannot_start_gives_its_registered_cache_back():
             busy.close()
 
     asyncio.run(main())
+
+
+class _CountingAgent:
+    """Stands in for a NIXL agent: counts the progress calls the agent's thread makes."""
+
+    def __init__(self) -> None:
+        self.progressed = 0
+
+    def get_new_notifs(self) -> dict:
+        self.progressed += 1
+        return {}
+
+
+def test_the_agent_thread_backs_off_while_connected_peers_are_quiet_and_wakes_for_a_reader():
+    """Past the wire-up window a connected but quiet plane progresses UCX at 50 ms doubling to once a second, not
+    at a steady 50 ms (20 wake-ups a second in an idle worker); a layer announced to a reader cuts a long wait
+    short."""
+    import time
+
+    from pdserve.kvtransfer import agent_thread
+
+    agent = _CountingAgent()
+    thread = agent_thread.AgentThread(agent)
+    try:
+        thread.connect(+1)
+        thread._wire_up_until = 0.0  # the wire-up window (1 ms progress) is past
+        time.sleep(3.0)
+        quiet = agent.progressed
+        assert 3 <= quiet <= 12, quiet  # 50 + 100 + 200 + 400 + 800 + 1000 ms: 6 or 7; a steady 50 ms: 60
+        deadline = time.monotonic() + 30.0
+        thread.active()
+        while agent.progressed == quiet:
+            assert time.monotonic() < deadline, "an announced layer did not bring progress"
+            time.sleep(0.01)
+        thread.connect(-1)
+        time.sleep(0.2)
+        idle = agent.progressed
+        time.sleep(1.5)
+        assert agent.progressed == idle  # no peer: no progress at all
+    finally:
+        thread.stop()
