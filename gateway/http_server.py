@@ -75,7 +75,7 @@ class HTTPServer:
     async def stop(self) -> None:
         if self._task is None:
             return
-        self.server.should_exit = True
+        self.server.exit()
         await asyncio.gather(self._task, return_exceptions=True)
 
 
@@ -131,6 +131,26 @@ class _GuardedH11(H11Protocol):
 
 
 class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers (the gateway's own stop it), ticking once a second (the Date header's
+    resolution) instead of ten times, and leaving its loop as soon as it is told to exit."""
+
+    TICK_S = 1.0
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._exit = asyncio.Event()
+
+    def exit(self) -> None:
+        self.should_exit = True
+        self._exit.set()
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def main_loop(self) -> None:
+        ticks = 0
+        while not await self.on_tick(ticks):  # a multiple of 10: every tick refreshes the Date header
+            ticks = (ticks + 10) % 864000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exit.wait(), self.TICK_S)

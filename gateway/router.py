@@ -104,10 +104,21 @@ class Router(WorkerPool):
         overlap_weight: float = RoutingOptions.overlap_weight,
         kv_aware: bool = RoutingOptions.routing == "kv-aware",
         model: str = "",
+        idle_poll_interval: float = GatewayOptions.idle_poll_interval,
     ) -> None:
         """The defaults are the flags' (`pdserve.config`); the gateway passes its configuration's values."""
         super().__init__(
-            prefill, decode, poll_interval, interceptors, discover, resolve, probe_interval, tls, kv_aware, model
+            prefill,
+            decode,
+            poll_interval,
+            interceptors,
+            discover,
+            resolve,
+            probe_interval,
+            tls,
+            kv_aware,
+            model,
+            idle_poll_interval,
         )
         self.overlap_weight = overlap_weight
         self.local_prefills = 0
@@ -148,6 +159,7 @@ class Router(WorkerPool):
         itself, colocated or by conditional disaggregation); hold it for as long as the request runs. `exclude`
         names workers by address (every run) or by `key` (that run only: once it restarts, it is usable).
         `prefer_decode`: the decode worker at that address, while it is healthy and not excluded (`DecodeAffinity`)."""
+        self.routing()
         decode, prefill_ok = self._candidates(exclude, prompt, prefer_decode)
         if not prefill_ok:
             if self.colocated:

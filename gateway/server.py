@@ -111,6 +111,7 @@ async def serve(
         cfg.prefill.addresses,
         cfg.gateway.decode_addresses,
         poll_interval=cfg.gateway.poll_interval,
+        idle_poll_interval=cfg.gateway.idle_poll_interval,
         interceptors=tracing.client_interceptors(),
         discover=cfg.gateway.discover,
         tls=tls,

@@ -11,6 +11,7 @@ that excluded a worker (it failed or handed the stream back) may use it again on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ class WorkerPool:
     on them."""
 
     MAX_MISSES = 3  # polls in a row a worker may time out on before it is taken for down (refusals count at once)
+    QUIET_POLLS = 3  # full polls in a row with no request of ours before they slow to `idle_poll_interval`
 
     def __init__(
         self,
@@ -115,15 +117,18 @@ class WorkerPool:
         tls: TLSConfig | None,
         kv_aware: bool,
         model: str,
+        idle_poll_interval: float,
     ) -> None:
         """`model`: the model this gateway serves; a worker that reports another is never routed to. `kv_aware`:
-        follow the prefill workers' prefix caches."""
+        follow the prefill workers' prefix caches. `idle_poll_interval`: between full polls while no request comes
+        (at least `poll_interval`)."""
         if not decode:
             raise ValueError(
                 "need at least one decode worker address (and prefill workers, unless the decode workers are colocated)"
             )
         self.model = model
         self.poll_interval = poll_interval
+        self.idle_poll_interval = max(idle_poll_interval, poll_interval)
         self.probe_interval = min(probe_interval, poll_interval)
         self.kv_aware = kv_aware
         self.interceptors = list(interceptors)
@@ -136,6 +141,10 @@ class WorkerPool:
         self._leaving: set[str] = set()
         self._poller: asyncio.Task | None = None
         self._probe: asyncio.Future | None = None  # the probe of down workers in flight, shared by every waiter
+        self._wake = asyncio.Event()  # a request found a worker down, or came while polls were slow
+        self._idle = False  # full polls are `idle_poll_interval` apart
+        self._resumed = False  # a request came while they were: poll every worker now
+        self._routed = 0  # requests routed, ever (the poller tells quiet stretches by it)
 
     def _handle(self, address: str, role: str) -> WorkerHandle:
         channel = open_channel(address, self.tls, self.interceptors)
@@ -186,16 +195,36 @@ class WorkerPool:
 
     async def _poll_forever(self) -> None:
         """Every worker each `poll_interval`; workers that are down (or not up yet) every `probe_interval`, so
-        one that comes (back) up takes traffic within a fraction of a second."""
+        one that comes (back) up takes traffic within a fraction of a second. With every worker up it sleeps until
+        the next full poll or until a request finds one down. After `QUIET_POLLS` full polls with no request of
+        this gateway routed or in flight, full polls come each `idle_poll_interval`, until the next request: an idle
+        stack hardly wakes (a request routed on a stale poll to a worker that died meanwhile is retried elsewhere)."""
         loop = asyncio.get_running_loop()
         next_full = loop.time() + self.poll_interval
+        quiet, routed = 0, self._routed
         while True:
-            await asyncio.sleep(min(self.probe_interval, max(0.0, next_full - loop.time())))
-            if loop.time() >= next_full:
-                next_full = loop.time() + self.poll_interval
+            until_full = max(0.0, next_full - loop.time())
+            if any(not w.healthy for w in self.workers):
+                await asyncio.sleep(min(self.probe_interval, until_full))
+            else:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), until_full)
+            if loop.time() >= next_full or self._resumed:
+                busy = self._routed != routed or any(w.inflight for w in self.workers)
+                quiet, routed = 0 if busy else quiet + 1, self._routed
+                self._idle, self._resumed = quiet >= self.QUIET_POLLS, False
+                next_full = loop.time() + (self.idle_poll_interval if self._idle else self.poll_interval)
                 await self.poll()
             else:
                 await self.poll(only_down=True)
+
+    def routing(self) -> None:
+        """A request is being routed: counts against a quiet stretch, and ends one (a full poll now)."""
+        self._routed += 1
+        if self._idle:
+            self._idle, self._resumed = False, True
+            self._wake.set()
 
     def indexed(self) -> dict[str, int]:
         """Prefill worker -> how many prefix-cache blocks it is believed to hold (reported and expected)."""
@@ -308,6 +337,7 @@ class WorkerPool:
         for w in self.workers:
             if w.address == address:
                 w.healthy = False
+                self._wake.set()
 
     @property
     def max_model_len(self) -> int:

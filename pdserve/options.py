@@ -270,6 +270,11 @@ class GatewayOptions:
     decode: str = option("", "comma-separated host:port list of decode workers", env=("PDSERVE_DECODE",))
     ready_timeout: float = option(600.0, "seconds to wait for one worker of each role before serving anyway")
     poll_interval: float = option(1.0, "seconds between GetStats polls of every worker (load and health for routing)")
+    idle_poll_interval: float = option(
+        5.0,
+        "seconds between those polls once no request came for 3 of them (an idle stack hardly wakes); the next "
+        "request brings back --poll-interval at once",
+    )
     discover: bool = option(
         False,
         "treat --prefill/--decode as DNS names and follow every address they resolve "

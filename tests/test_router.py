@@ -389,3 +389,45 @@ async def test_a_prompt_has_an_alternative_only_where_another_worker_could_prefi
         assert router.pick({p.key}, list(range(300))).prefill is None
     finally:
         await router.close()
+
+
+class _CountingStub:
+    """GetStats always answers; counts the polls."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    async def GetStats(self, request, timeout: float):
+        self.polls += 1
+        return worker_pb2.WorkerStats(kv_blocks_total=100, block_size=16)
+
+
+async def _until(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+async def test_polls_slow_down_while_no_request_comes_and_the_next_request_brings_them_back():
+    """After QUIET_POLLS polls with nothing routed, the next full poll is `idle_poll_interval` away (an idle
+    stack hardly wakes); a request polls every worker at once and brings back `poll_interval` while it runs."""
+    router = Router([], [f"127.0.0.1:{free_port()}"], poll_interval=0.05, idle_poll_interval=3600.0)
+    (d,) = router.decode
+    d.stub = stub = _CountingStub()
+    try:
+        await router.start()
+        await _until(lambda: router._idle, "the polls never slowed down")
+        assert stub.polls >= 1 + router.QUIET_POLLS
+        settled = stub.polls
+        await asyncio.sleep(0.5)
+        assert stub.polls == settled  # ten regular intervals, no poll
+
+        with router.pick():
+            await _until(lambda: stub.polls > settled, "a request did not bring a poll")
+            assert not router._idle
+            await _until(lambda: stub.polls >= settled + 2 * router.QUIET_POLLS, "polls did not resume their pace")
+            assert not router._idle  # a request in flight keeps them at `poll_interval`
+        await _until(lambda: router._idle, "the polls did not slow down again")
+    finally:
+        await router.close()

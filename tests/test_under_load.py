@@ -17,6 +17,8 @@ import time
 import pytest
 
 from pdserve.client import Client
+from pdserve.gateway.worker_pool import WorkerPool
+from pdserve.options import GatewayOptions
 from tests.hogs import cpu_hogs, cpu_seconds
 from tests.stack import Stack, free_port, scrape, service_env, start_stack, wait_serving
 from tests.test_migration import _busiest, _exact, _idle, _migrations, _proc, _reference, _restart, _Streams
@@ -82,7 +84,9 @@ def pair():
 def test_an_idle_stack_uses_almost_no_cpu(pair: Stack):
     """Workers connected to each other and polled by the gateway, with nothing to do."""
     asyncio.run(_warm(pair))
-    time.sleep(2.0)  # the warm-up's own tail (its transfer's wire-up, the first step's compilation) is over
+    # the warm-up's own tail (its transfer's wire-up, the first step's compilation) is over, and the gateway's
+    # polls have slowed to their idle pace
+    time.sleep(2.0 + WorkerPool.QUIET_POLLS * GatewayOptions.poll_interval)
     pids = {name: p.pid for name, p in zip(("prefill", "decode", "gateway"), pair.procs)}
     share = _idle_share(pids)
     print(f"\nidle stack: {', '.join(f'{r} {s:.4f} core' for r, s in share.items())}")
