@@ -295,3 +295,32 @@ def test_kernel_instructions_counts_the_integer_products_below_the_fp32_path(tmp
             assert nbytes == 2211840  # one layer of the built-in model in Q4_1
             per_byte[name] = (two - one) / nbytes
         assert 0 < per_byte["q4_1_q8"] < 0.75 * per_byte["q4_1"], (rows, per_byte)
+
+
+def test_the_idle_benchmark_counts_a_thread_that_sleeps_and_wakes():
+    """A thread that sleeps 10 ms at a time shows each wake-up in its own blocking switches, and `window` sums
+    the threads of one name (Python 3.11 names them all after the process: "python")."""
+    import os
+    import threading
+    import time
+
+    from pdserve.benchmarks.idle import threads, window
+
+    stop = threading.Event()
+
+    def napper() -> None:
+        while not stop.wait(0.01):
+            pass
+
+    t = threading.Thread(target=napper)
+    t.start()
+    try:
+        time.sleep(0.05)
+        before = threads(os.getpid())[t.native_id]
+        by_name = window({"me": os.getpid()}, 0.5)["me"]
+        after = threads(os.getpid())[t.native_id]
+    finally:
+        stop.set()
+        t.join()
+    assert after.switches - before.switches >= 20 and after.run_ns >= before.run_ns
+    assert sum(w for w, _ in by_name.values()) >= 20, by_name
