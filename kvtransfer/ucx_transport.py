@@ -57,8 +57,8 @@ _UCX_DEFAULTS = {
 # ucxx's progress thread arms the worker and sleeps in epoll_wait until UCX has an event or a submission signals
 # it; the wait's timeout only bounds how late anything that raises no event is seen. ucxx's own 1 ms woke the
 # thread 1,000 times a second with nothing to do: 3% of a core on a Sapphire Rapids VM, 36-48% on an EPYC one.
-# A timed wake-up costs an EPYC VM 12-16 times what it costs a Sapphire Rapids one: an idle worker wakes once a
-# second here (stopping the thread signals it, so shutdown does not wait for the timeout).
+# Idle, it wakes once a second (what an empty wake-up costs varies tenfold between hosts); stopping the thread
+# signals it, so shutdown does not wait for the timeout.
 PROGRESS_WAIT_MS = 1000
 HANDSHAKE_TIMEOUT = 5.0
 _MAGIC = b"PDKV1"
