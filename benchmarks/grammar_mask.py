@@ -236,9 +236,9 @@ def main() -> None:
     args = ap.parse_args()
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    isa = " ".join(f for f in flags.split() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
-    print(f"CPU flags: {isa}")
+    from pdserve.kernels.cpu_isa import isa_flags
+
+    print(f"CPU flags: {isa_flags()}")
     for line in mask_costs(model_dir, cfg.vocab_size, list(cfg.eos_token_ids)):
         print(line)
     if not args.skip_served:

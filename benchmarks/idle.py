@@ -23,6 +23,7 @@ from pathlib import Path
 from pdserve.benchmarks.compare import free_port
 from pdserve.benchmarks.local_stack import LocalStack
 from pdserve.client import Client
+from pdserve.kernels.cpu_isa import isa_flags
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,6 @@ def window(pids: dict[str, int], seconds: float) -> dict[str, dict[str, tuple[fl
     return out
 
 
-def cpu_flags() -> str:
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return " ".join(f for f in flags.split() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
-
-
 async def _connect(gateway: str) -> None:
     async with Client(gateway) as client:
         await client.complete(prompt="Hi", max_tokens=1, timeout=300)
@@ -81,7 +77,7 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=6.0, help="seconds after the request before measuring")
     p.add_argument("--dtype", default="float32")
     args = p.parse_args()
-    print(f"CPU flags: {cpu_flags()}")
+    print(f"CPU flags: {isa_flags()}")
     common = ["--dtype", args.dtype, "--threads", "1", "--kv-cache-memory", "64M"]
     remote = ["--local-prefill-max-tokens", "0"]  # the request's prompt goes through the KV plane
     stack = LocalStack(1, 1, common, remote, ["--http-port", str(free_port())])

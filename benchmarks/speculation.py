@@ -285,9 +285,9 @@ def main() -> None:
     ap.add_argument("--no-ceiling", action="store_true", help="skip the c=8 ceiling")
     ap.add_argument("--draft", default="none", help="the worker's --speculative-draft (gguf: the file's own blocks)")
     args = ap.parse_args()
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    isa = " ".join(f for f in flags.split() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
-    print(f"CPU flags: {isa}")
+    from pdserve.kernels.cpu_isa import isa_flags
+
+    print(f"CPU flags: {isa_flags()}")
     if not args.ceiling_only:
         c1 = not args.c8_only
         for line in served(args.model, args.dtype, args.k, args.rounds, c1, args.quantization, args.draft):

@@ -24,13 +24,23 @@ MARCH = {"portable": "x86-64", "avx2": "x86-64-v3", "avx512": "x86-64-v4"}
 _TORCH = {"portable": ("default", "SSE41", "SSE4_2"), "avx2": ("avx2", "AVX2", "AVX2")}
 
 
-def cpu_flags() -> set[str]:
+def _flags() -> list[str]:
+    """The first CPU's flags, in /proc/cpuinfo's order (none where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return []
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return line.partition(":")[2].split()
+
+
+def cpu_flags() -> set[str]:
+    return set(_flags())
+
+
+def isa_flags() -> str:
+    """The vector flags (avx*, amx*, fma, f16c) in /proc/cpuinfo's order: what a measurement names its CPU by."""
+    return " ".join(f for f in _flags() if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))
 
 
 def detected() -> str:
