@@ -143,7 +143,7 @@ class WorkerPool:
         self._probe: asyncio.Future | None = None  # the probe of down workers in flight, shared by every waiter
         self._wake = asyncio.Event()  # a request found a worker down, or came while polls were slow
         self._idle = False  # full polls are `idle_poll_interval` apart
-        self._resumed = False  # a request came while they were: poll every worker now
+        self._next_full = 0.0  # when the poller polls every worker next (loop time)
         self._routed = 0  # requests routed, ever (the poller tells quiet stretches by it)
 
     def _handle(self, address: str, role: str) -> WorkerHandle:
@@ -200,21 +200,21 @@ class WorkerPool:
         this gateway routed or in flight, full polls come each `idle_poll_interval`, until the next request: an idle
         stack hardly wakes (a request routed on a stale poll to a worker that died meanwhile is retried elsewhere)."""
         loop = asyncio.get_running_loop()
-        next_full = loop.time() + self.poll_interval
+        self._next_full = loop.time() + self.poll_interval
         quiet, routed = 0, self._routed
         while True:
-            until_full = max(0.0, next_full - loop.time())
+            until_full = max(0.0, self._next_full - loop.time())
             if any(not w.healthy for w in self.workers):
                 await asyncio.sleep(min(self.probe_interval, until_full))
             else:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), until_full)
-            if loop.time() >= next_full or self._resumed:
+            if loop.time() >= self._next_full:
                 busy = self._routed != routed or any(w.inflight for w in self.workers)
                 quiet, routed = 0 if busy else quiet + 1, self._routed
-                self._idle, self._resumed = quiet >= self.QUIET_POLLS, False
-                next_full = loop.time() + (self.idle_poll_interval if self._idle else self.poll_interval)
+                self._idle = quiet >= self.QUIET_POLLS
+                self._next_full = loop.time() + (self.idle_poll_interval if self._idle else self.poll_interval)
                 await self.poll()
             else:
                 await self.poll(only_down=True)
@@ -223,7 +223,7 @@ class WorkerPool:
         """A request is being routed: counts against a quiet stretch, and ends one (a full poll now)."""
         self._routed += 1
         if self._idle:
-            self._idle, self._resumed = False, True
+            self._idle, self._next_full = False, 0.0
             self._wake.set()
 
     def indexed(self) -> dict[str, int]:
