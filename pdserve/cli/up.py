@@ -277,12 +277,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, _raise_exit)
     t0 = time.perf_counter()
     try:
-        # every child is forked before this process starts gRPC's threads: a fork after them may abort in the
-        # child before its exec (gRPC's poller restarted there meets a closed epoll fd, grpc/grpc#43055; seen once
-        # as a gateway that "exited during start-up with status -6"). The gateway waits for the workers itself.
-        services = [children.spawn(c) for c in [*plan.workers, plan.gateway]]
-        asyncio.run(_wait_serving(services[:-1], timeout=600, tls=tls))
-        asyncio.run(_wait_serving(services[-1:], timeout=120, tls=tls))
+        asyncio.run(_wait_serving([children.spawn(c) for c in plan.workers], timeout=600, tls=tls))
+        asyncio.run(_wait_serving([children.spawn(plan.gateway)], timeout=120, tls=tls))
         _say_up(cfg, plan, time.perf_counter() - t0)
         if prompt:
             asyncio.run(stream_completion(plan.gateway.address, _prompt_args(cfg, prompt)))
