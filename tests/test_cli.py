@@ -284,6 +284,19 @@ def test_children_die_with_up(how):
         s.bind(("127.0.0.1", ports["gateway"]))
 
 
+def test_a_child_asks_to_die_with_its_parent_itself_and_not_for_its_own_children():
+    """`up` starts its children with no preexec_fn (Python then vforks and runs no fork handler, gRPC's included);
+    each child requests PR_SET_PDEATHSIG itself, and ends at once if the parent that asked is already gone."""
+    from pdserve.cli.parent import PARENT_PID, child_env
+
+    code = "from pdserve.cli.parent import die_with_parent; import os; die_with_parent(); print(os.environ.get(%r))"
+    argv = [sys.executable, "-c", code % PARENT_PID]
+    ok = subprocess.run(argv, env=child_env(None), capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and ok.stdout.strip() == "None", ok.stderr
+    orphan = subprocess.run(argv, env={**os.environ, PARENT_PID: "1"}, capture_output=True, text=True, timeout=60)
+    assert orphan.returncode == -signal.SIGTERM and orphan.stdout == ""
+
+
 @pytest.mark.slow
 def test_up_with_tls_and_an_api_key_answers_a_prompt(tmp_path):
     from tests.certs import make_pki
