@@ -8,8 +8,11 @@
 For each weight format it times the engine's decode step (batch 1 / 8 / 32, context 192: schedule, forward,
 sample) and a prompt's prefill (128 and 1024 tokens, one step each), and divides each by its limit: the bytes
 the step must read (weights once, plus the KV cache it attends over) at the measured bandwidth, or its flops at
-the measured fp32 GEMM rate, whichever is larger (each limit the best of the measurements taken before and after
-every format). A ratio of 1.0 is the machine's limit; 2.0 takes twice that.
+the measured GEMM rates, whichever is larger (each limit the best of the measurements taken before and after every
+format). A ratio of 1.0 is the machine's limit; 2.0 takes twice that. The linears of the formats that multiply
+int8 activations (q8_0, q4_0, gguf) count at the int8 GEMM rate, everything else at the fp32 one: an integer
+product is not held to fp32's rate (on a Zen 5 the int8 rate is ~9x fp32's, and the fp32 limit called the gguf
+step at batch 1 flops-bound, 1.5x, when its bytes put it at 1.8x).
 
 On a shared machine both limits move from minute to minute with the neighbours (one 2-core VM read 41 to 78 GB/s
 within an hour), and the best of the run is a limit the step may never have had. So each row is also divided by
@@ -53,6 +56,7 @@ FORMATS = {  # name: (dtype, --quantization, --activations)
     "gguf-exact": ("bfloat16", "gguf", "exact"),  # the file's blocks against bf16 activations
     "gguf-fp32": ("float32", "gguf", "exact"),  # the file's blocks, fp32 activations and KV cache
 }
+INTEGER = [name for name, (_, _, activations) in FORMATS.items() if activations == "q8"]
 CONTEXT = 192
 SERVED = ((1, 16), (8, 32), (32, 64))  # (concurrency, requests)
 PROMPT, OUTPUT = 128, 128  # served request shape; CONTEXT is where a decode step of one sits on average
@@ -65,12 +69,13 @@ class Row:
     ms: float
     bytes: float  # what it must read
     flops: float  # what it must compute
-    beside: tuple[float, float] = (0.0, 0.0)  # (bytes/s, flop/s) measured around this row: Beside
+    beside: Limits | None = None  # measured around this row: Beside
+    int_flops: float = 0.0  # the part of `flops` computed as int8 products
     limit_ms: float = 0.0  # bind() sets these two
     bound: str = ""  # "bytes" or "flops": which limit binds
 
-    def bind(self, bw: float, gemm: float) -> None:
-        self.limit_ms, self.bound = _limit(self.bytes, self.flops, bw, gemm)
+    def bind(self, limits: Limits) -> None:
+        self.limit_ms, self.bound = limits.limit(self.bytes, self.flops, self.int_flops)
 
     @property
     def ratio(self) -> float:
@@ -79,12 +84,25 @@ class Row:
     @property
     def ratio_beside(self) -> float:
         """Against the limits measured around this row (0 when none were)."""
-        return self.ms / _limit(self.bytes, self.flops, *self.beside)[0] if all(self.beside) else 0.0
+        return self.ms / self.beside.limit(self.bytes, self.flops, self.int_flops)[0] if self.beside else 0.0
 
 
-def _limit(nbytes: float, flops: float, bw: float, gemm: float) -> tuple[float, str]:
-    by_bytes, by_flops = nbytes / bw * 1e3, flops / gemm * 1e3
-    return max(by_bytes, by_flops), "bytes" if by_bytes >= by_flops else "flops"
+@dataclass(frozen=True)
+class Limits:
+    """This machine's limits: streaming-read bytes/s, fp32 and int8 GEMM flop/s (a multiply-add is 2 flops)."""
+
+    bw: float
+    gemm: float
+    int8: float
+
+    def limit(self, nbytes: float, flops: float, int_flops: float = 0.0) -> tuple[float, str]:
+        """(ms, what binds): the bytes at `bw`, or `int_flops` at the int8 rate and the rest at fp32's."""
+        by_bytes = nbytes / self.bw * 1e3
+        by_flops = ((flops - int_flops) / self.gemm + int_flops / self.int8) * 1e3
+        return max(by_bytes, by_flops), "bytes" if by_bytes >= by_flops else "flops"
+
+    def best(self, other: Limits) -> Limits:
+        return Limits(max(self.bw, other.bw), max(self.gemm, other.gemm), max(self.int8, other.int8))
 
 
 @dataclass(frozen=True)
@@ -99,6 +117,9 @@ class Sizes:
     def decode(self, batch: int, context: int) -> tuple[float, float]:
         """Bytes and flops of a decode step of `batch` sequences at `context` tokens."""
         return self.weights + batch * context * self.kv_token, 2 * batch * self.params
+
+    def linear_flops(self, tokens: float) -> float:
+        return 2 * tokens * self.params
 
     def prefill_flops(self, n: int) -> float:
         return 2 * n * self.params + 2 * 2 * self.attn * n * n / 2
@@ -130,21 +151,34 @@ def gemm_rate(reps: int = 5) -> float:
     return 2 * 2048**3 / _best(lambda: a @ b, reps)
 
 
+def int8_rate(reps: int = 5) -> float:
+    """Flops (2 a multiply-add) per second of torch's int8 GEMM (int32 sums) at 2048^3, best of `reps`; 0 where torch
+    has none on this CPU. Zen 5, 2 cores: 1.9 TFLOP/s, 89% of a loop of vpdpbusd timed beside it (2 a cycle at
+    4.1 GHz)."""
+    a = torch.randint(-127, 128, (2048, 2048), dtype=torch.int8)
+    b = torch.randint(-127, 128, (2048, 2048), dtype=torch.int8)
+    try:
+        return 2 * 2048**3 / _best(lambda: torch._int_mm(a, b), reps)
+    except RuntimeError:
+        return 0.0
+
+
+def limits(reps: int = 5) -> Limits:
+    """The int8 rate is never taken below fp32's: a CPU whose torch multiplies int8 slowly keeps the fp32 limit."""
+    gemm = gemm_rate(reps)
+    return Limits(bandwidth(reps), gemm, max(gemm, int8_rate(reps)))
+
+
 class Beside:
     """The limits just before and just after a measurement, the better of each: `with Beside() as near: ...`,
-    then `near.limits` (bytes/s, flop/s)."""
+    then `near.limits`."""
 
     def __enter__(self) -> Beside:
-        self.limits = self._probe()
+        self.limits = limits(2)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        after = self._probe()
-        self.limits = (max(self.limits[0], after[0]), max(self.limits[1], after[1]))
-
-    @staticmethod
-    def _probe() -> tuple[float, float]:
-        return bandwidth(2), gemm_rate(2)
+        self.limits = self.limits.best(limits(2))
 
 
 def _engine(fmt: str, batch: int, model: str | None):
@@ -200,12 +234,14 @@ def measure(fmt: str, steps: int, model: str | None = None) -> tuple[list[Row], 
         kv_token=cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * core.layout.element_size,
         attn=cfg.num_layers * cfg.num_heads * cfg.head_dim,
     )
+    integer = FORMATS[fmt][2] == "q8"
     rng = random.Random(0)
     rows: list[Row] = []
     for batch in (1, 8, 32):
         near = Beside()
         ms = statistics.median(decode_steps(core, batch, CONTEXT, steps, rng, near)) * 1e3
-        rows.append(Row(fmt, f"decode b={batch}", ms, *sizes.decode(batch, CONTEXT + steps), near.limits))
+        read, flops = sizes.decode(batch, CONTEXT + steps)
+        rows.append(Row(fmt, f"decode b={batch}", ms, read, flops, near.limits, flops if integer else 0.0))
     for n in (128, 1024):
 
         def prefill(n: int = n) -> None:
@@ -216,7 +252,8 @@ def measure(fmt: str, steps: int, model: str | None = None) -> tuple[list[Row], 
 
         with Beside() as near:
             ms = _best(prefill, 3) * 1e3
-        rows.append(Row(fmt, f"prefill {n}", ms, 0, sizes.prefill_flops(n), near.limits))
+        int_flops = sizes.linear_flops(n) if integer else 0.0
+        rows.append(Row(fmt, f"prefill {n}", ms, 0, sizes.prefill_flops(n), near.limits, int_flops))
     return rows, sizes
 
 
@@ -227,6 +264,7 @@ def served(fmt: str, sizes: Sizes, log: Path, model: str | None = None) -> list[
     from pdserve.benchmarks.load_gen import GrpcTarget, make_requests
 
     dtype, quantization, activations = FORMATS[fmt]
+    integer = activations == "q8"
     rows: list[Row] = []
     up = pdserve_up(log, dtype, quantization, colocated=True, activations=activations, model=model or "default")
     with up as (address, _):
@@ -240,11 +278,17 @@ def served(fmt: str, sizes: Sizes, log: Path, model: str | None = None) -> list[
                 raise RuntimeError(f"{m.failed} of {n} requests failed serving {fmt} (see {log})")
             read, flops = sizes.decode(concurrency, CONTEXT)
             if concurrency != SERVED[-1][0]:
-                rows.append(Row(fmt, f"served c={concurrency} ITL p50", m.itl_ms.median, read, flops, near.limits))
+                int_flops = flops if integer else 0.0
+                itl = m.itl_ms.median
+                rows.append(Row(fmt, f"served c={concurrency} ITL p50", itl, read, flops, near.limits, int_flops))
             else:  # the top concurrency: a token's share of a full decode step and of its prompt's prefill
                 flops = flops / concurrency + sizes.prefill_flops(PROMPT) / OUTPUT
+                int_flops = sizes.linear_flops(1 + PROMPT / OUTPUT) if integer else 0.0
                 ms = 1e3 / m.output_throughput
-                rows.append(Row(fmt, f"served c={concurrency} ms/token", ms, read / concurrency, flops, near.limits))
+                row = Row(
+                    fmt, f"served c={concurrency} ms/token", ms, read / concurrency, flops, near.limits, int_flops
+                )
+                rows.append(row)
     return rows
 
 
@@ -287,23 +331,26 @@ def main() -> None:
     flags = sorted(f for f in cpu_isa.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
     # the limits before and after each format, the best of them kept: neighbours on a shared machine lower both
     # the limits and the steps, and a limit taken in a slow minute would flatter every step timed in a fast one
-    bw, gemm = bandwidth(), gemm_rate()
+    best = limits()
     rows: list[Row] = []
     for fmt in args.formats:
         measured, sizes = measure(fmt, args.steps, model)
         if args.served is not None and (not args.served or fmt in args.served):
             measured += served(fmt, sizes, args.log_dir / f"roofline-served-{fmt}.log", model)
         rows += measured
-        bw, gemm = max(bw, bandwidth()), max(gemm, gemm_rate())
+        best = best.best(limits())
     print(f"model {model or 'default'}; CPU level {cpu_isa.level()} (flags: {' '.join(flags)}), {args.threads} threads")
-    print(f"limits (best in the run): streaming read {bw / 1e9:.1f} GB/s, fp32 GEMM {gemm / 1e9:.0f} GFLOP/s\n")
+    print(
+        f"limits (best in the run): streaming read {best.bw / 1e9:.1f} GB/s, fp32 GEMM {best.gemm / 1e9:.0f} "
+        f"GFLOP/s, int8 GEMM {best.int8 / 1e9:.0f} GOP/s (the linears of {', '.join(INTEGER)})\n"
+    )
     print("| format | step | ms | limit ms | bound by | ratio | beside: GB/s | ratio |")
     print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
     for row in rows:
-        row.bind(bw, gemm)
+        row.bind(best)
         print(
             f"| {row.format} | {row.what} | {row.ms:.1f} | {row.limit_ms:.1f} | {row.bound} | {row.ratio:.2f} "
-            f"| {row.beside[0] / 1e9:.1f} | {row.ratio_beside:.2f} |"
+            f"| {row.beside.bw / 1e9 if row.beside else 0.0:.1f} | {row.ratio_beside:.2f} |"
         )
     if args.json:
         with open(args.json, "w") as f:
@@ -312,8 +359,9 @@ def main() -> None:
                     "model": model or "default",
                     "level": cpu_isa.level(),
                     "flags": flags,
-                    "bandwidth_gbs": bw / 1e9,
-                    "gemm_gflops": gemm / 1e9,
+                    "bandwidth_gbs": best.bw / 1e9,
+                    "gemm_gflops": best.gemm / 1e9,
+                    "int8_gops": best.int8 / 1e9,
                     "rows": [{**asdict(r), "ratio": r.ratio, "ratio_beside": r.ratio_beside} for r in rows],
                 },
                 f,

@@ -11,7 +11,7 @@ import torch
 
 from pdserve.benchmarks.bench_stats import RequestResult, compute_metrics, format_table, parse_goodput
 from pdserve.benchmarks.load_gen import BenchRequest, LlamaCppTarget, make_requests, parse_sse, run_load
-from pdserve.benchmarks.roofline import Row
+from pdserve.benchmarks.roofline import Limits, Row
 
 
 def req(ttft, latency, output_len, itl=None, prompt_len=10, success=True):
@@ -42,14 +42,28 @@ def test_throughputs_and_latency_definitions():
 def test_roofline_rows_divide_by_the_binding_limit_of_the_run_and_of_their_own_time():
     """A step is bound by its bytes or its flops, whichever takes longer; `beside` uses the limits measured around
     the row itself (a slower minute: a lower limit, a kinder ratio), and is 0 when none were measured."""
-    row = Row("gguf", "decode b=1", ms=4.0, bytes=100e6, flops=1e9, beside=(25e9, 100e9))
-    row.bind(50e9, 100e9)  # 2 ms of reading against 10 ms of arithmetic
+    run, slow = Limits(50e9, 100e9, 100e9), Limits(25e9, 100e9, 100e9)
+    row = Row("gguf", "decode b=1", ms=4.0, bytes=100e6, flops=1e9, beside=slow)
+    row.bind(run)  # 2 ms of reading against 10 ms of arithmetic
     assert (row.limit_ms, row.bound, row.ratio) == (pytest.approx(10.0), "flops", pytest.approx(0.4))
     assert row.ratio_beside == pytest.approx(0.4)  # flops still bind: 4 ms of reading at 25 GB/s
-    fast = Row("gguf", "decode b=1", ms=4.0, bytes=100e6, flops=1e6, beside=(25e9, 100e9))
-    fast.bind(50e9, 100e9)
+    fast = Row("gguf", "decode b=1", ms=4.0, bytes=100e6, flops=1e6, beside=slow)
+    fast.bind(run)
     assert (fast.bound, fast.ratio, fast.ratio_beside) == ("bytes", pytest.approx(2.0), pytest.approx(1.0))
     assert Row("bf16", "prefill 128", 1.0, 0, 1e9).ratio_beside == 0.0
+
+
+def test_roofline_counts_integer_products_at_the_int8_rate():
+    """The linears of a format with int8 activations are held to the int8 GEMM rate, the rest of its flops (a
+    prompt's attention) to fp32's; the best of two probes keeps each limit's best."""
+    limits = Limits(50e9, 100e9, 800e9)
+    row = Row("gguf", "prefill 128", ms=12.0, bytes=0, flops=1.6e9, int_flops=1.2e9)
+    row.bind(limits)  # 4 ms of fp32 attention + 1.5 ms of int8 linears
+    assert (row.limit_ms, row.bound, row.ratio) == (pytest.approx(5.5), "flops", pytest.approx(12.0 / 5.5))
+    b1 = Row("gguf", "decode b=1", ms=4.0, bytes=100e6, flops=0.3e9, int_flops=0.3e9)
+    b1.bind(limits)  # 3 ms at fp32's rate would bind; at int8's the 2 ms of reading do
+    assert (b1.bound, b1.ratio) == ("bytes", pytest.approx(2.0))
+    assert Limits(1, 5, 3).best(Limits(2, 4, 6)) == Limits(2, 5, 6)
 
 
 def test_single_token_requests_have_no_tpot():
