@@ -338,3 +338,30 @@ def test_the_idle_benchmark_counts_a_thread_that_sleeps_and_wakes():
         t.join()
     assert after.switches - before.switches >= 20 and after.run_ns >= before.run_ns
     assert sum(w for w, _ in by_name.values()) >= 20, by_name
+
+
+def test_linear_rows_times_each_point_on_both_builds_and_checks_they_agree(tmp_path, monkeypatch, capsys):
+    """Against a copy of this checkout's kernels every point is timed on both builds (their results equal), and a
+    build whose products differ is refused rather than timed."""
+    import shutil
+    import sys
+
+    from pdserve.benchmarks import linear_rows
+    from pdserve.kernels import c_build, quant_linear
+
+    if c_build._compiler()[0] is None:
+        pytest.skip("needs a C compiler")
+    other = tmp_path / "kernels"
+    shutil.copytree(quant_linear.SOURCE.parent, other, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    argv = ["linear_rows", "--rows", "1", "3", "--rounds", "1", "--against", str(other)]
+    monkeypatch.setattr(sys, "argv", argv)
+    linear_rows.main()
+    rows = [
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "x" in line.split("|")[1]
+    ]
+    assert len(rows) == 2 * len(linear_rows.SHAPES)
+    assert all(float(r.split("|")[-2]) > 0 for r in rows)  # other / this
+    q8 = other / "cpu_linear_q8.h"
+    q8.write_text(q8.read_text().replace("d = amax / 127.0f", "d = amax / 126.0f"))  # another quantization
+    with pytest.raises(SystemExit, match="the builds differ"):
+        linear_rows.main()
