@@ -172,6 +172,59 @@ def test_a_drafted_guess_costs_its_share_of_a_draft_forward():
     assert worth_checking(1, chances, cost, [1, 2, 3, 4], StepCost()) == 4  # the draft not measured yet: free
 
 
+def test_probe_rows_grow_rarer_while_the_cost_model_keeps_no_guess(tiny_model_dir, monkeypatch):
+    """A step whose guesses all cost more than they are worth checks one anyway now and then (a cost measured in a
+    busy moment must not stop speculation for good); while the cost model keeps none, each such check doubles the
+    wait for the next, up to RECHECK_BACKOFF times RECHECK_EVERY, and a step that keeps a guess brings the first
+    wait back."""
+    from pdserve.engine import engine_core
+
+    every = 2  # RECHECK_EVERY, smaller: a few waits at the cap fit in the tiny model's 512 positions
+    monkeypatch.setattr(engine_core, "RECHECK_EVERY", every)
+
+    def one_guess(self, tokens, room, draft_price=0.0):
+        self.draft, self.source = [tokens[-1]], self.lookup
+        return self.draft
+
+    monkeypatch.setattr(Speculation, "propose", one_guess)
+    engine = _engine(tiny_model_dir, speculative_tokens=1, num_blocks=256, block_size=4)
+    cost = engine.runner.step_cost
+
+    def rows_cost(two: float) -> None:
+        StepCost.observe(cost, 1, 1e-3)  # the engine's own observations are switched off (_engine)
+        for _ in range(8):
+            StepCost.observe(cost, 2, two)
+
+    rows_cost(1.0)  # a guess row costs a thousand steps: never worth it
+    seq = engine.add_request([3, 4, 5, 6], SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
+    checked: list[int] = []  # the decode steps that checked a guess
+    step = 0
+    while engine.has_work and len(checked) < 8:
+        batch = engine.schedule()
+        if seq.draft:
+            checked.append(step)
+        engine.update(batch, engine.execute(batch))
+        step += seq.num_computed_tokens > 4
+    gaps = [b - a for a, b in zip(checked, checked[1:])]
+    cap = engine_core.RECHECK_BACKOFF
+    assert gaps == [every * f for f in (2, 4, 8, 16, cap, cap, cap)], checked
+    rows_cost(1e-3)  # guess rows got cheap: every step checks its guess, and the wait starts over
+    for _ in range(3):
+        batch = engine.schedule()
+        assert seq.draft
+        engine.update(batch, engine.execute(batch))
+    rows_cost(1.0)
+    waited = 0
+    while engine.has_work:
+        batch = engine.schedule()
+        waited += 1
+        if seq.draft:
+            break
+        engine.update(batch, engine.execute(batch))
+    assert waited == every
+    engine.abort(seq)
+
+
 def test_speculative_tokens_is_checked():
     SamplingParams(speculative_tokens=0).validate()
     SamplingParams(speculative_tokens=MAX_SPECULATIVE_TOKENS).validate()
