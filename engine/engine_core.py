@@ -280,7 +280,7 @@ class EngineCore:
         # size again (less often where that row costs a draft model's forward). Where the model keeps no guess at
         # all (nothing to copy, or a step bound by its arithmetic), such a row is mostly a loss: each one doubles
         # the wait for the next, until a step keeps a guess again (served c=8, gguf, nothing to copy, on a Zen 5:
-        # 0.93-1.01x the tokens/s without speculation with a check every 16 steps, 0.97-1.01x with the backoff)
+        # 0.93-1.01x the tokens/s without speculation with a check every 16 steps, 0.95-1.01x with the backoff)
         if keep < len(chances) and self._trimmed_steps >= self._recheck_scale * (
             RECHECK_DRAFTED_EVERY if chances[keep][1] else RECHECK_EVERY
         ):
