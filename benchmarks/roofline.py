@@ -12,7 +12,7 @@ the measured GEMM rates, whichever is larger (each limit the best of the measure
 format). A ratio of 1.0 is the machine's limit; 2.0 takes twice that. The linears of the formats that multiply
 int8 activations (q8_0, q4_0, gguf) count at the int8 GEMM rate, everything else at the fp32 one: an integer
 product is not held to fp32's rate (on a Zen 5 the int8 rate is ~9x fp32's, and the fp32 limit called the gguf
-step at batch 1 flops-bound, 1.5x, when its bytes put it at 1.8x).
+step at batch 1 flops-bound, 1.5x, when its bytes put it at 1.7x).
 
 On a shared machine both limits move from minute to minute with the neighbours (one 2-core VM read 41 to 78 GB/s
 within an hour), and the best of the run is a limit the step may never have had. So each row is also divided by
@@ -153,8 +153,8 @@ def gemm_rate(reps: int = 5) -> float:
 
 def int8_rate(reps: int = 5) -> float:
     """Flops (2 a multiply-add) per second of torch's int8 GEMM (int32 sums) at 2048^3, best of `reps`; 0 where torch
-    has none on this CPU. Zen 5, 2 cores: 1.9 TFLOP/s, 89% of a loop of vpdpbusd timed beside it (2 a cycle at
-    4.1 GHz)."""
+    has none on this CPU. Zen 5, 2 cores: 1.8-2.0 TOP/s, 86-94% of a loop of vpdpbusd timed beside it (2 a cycle
+    at 4.1 GHz)."""
     a = torch.randint(-127, 128, (2048, 2048), dtype=torch.int8)
     b = torch.randint(-127, 128, (2048, 2048), dtype=torch.int8)
     try:
