@@ -234,7 +234,7 @@ def measure(fmt: str, steps: int, model: str | None = None) -> tuple[list[Row], 
         kv_token=cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * core.layout.element_size,
         attn=cfg.num_layers * cfg.num_heads * cfg.head_dim,
     )
-    integer = FORMATS[fmt][2] == "q8"
+    integer = fmt in INTEGER
     rng = random.Random(0)
     rows: list[Row] = []
     for batch in (1, 8, 32):
@@ -264,7 +264,7 @@ def served(fmt: str, sizes: Sizes, log: Path, model: str | None = None) -> list[
     from pdserve.benchmarks.load_gen import GrpcTarget, make_requests
 
     dtype, quantization, activations = FORMATS[fmt]
-    integer = activations == "q8"
+    integer = fmt in INTEGER
     rows: list[Row] = []
     up = pdserve_up(log, dtype, quantization, colocated=True, activations=activations, model=model or "default")
     with up as (address, _):
@@ -328,7 +328,7 @@ def main() -> None:
     if args.served is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
-    flags = sorted(f for f in cpu_isa.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+    flags = cpu_isa.isa_flags()
     # the limits before and after each format, the best of them kept: neighbours on a shared machine lower both
     # the limits and the steps, and a limit taken in a slow minute would flatter every step timed in a fast one
     best = limits()
@@ -339,7 +339,7 @@ def main() -> None:
             measured += served(fmt, sizes, args.log_dir / f"roofline-served-{fmt}.log", model)
         rows += measured
         best = best.best(limits())
-    print(f"model {model or 'default'}; CPU level {cpu_isa.level()} (flags: {' '.join(flags)}), {args.threads} threads")
+    print(f"model {model or 'default'}; CPU level {cpu_isa.level()} (flags: {flags}), {args.threads} threads")
     print(
         f"limits (best in the run): streaming read {best.bw / 1e9:.1f} GB/s, fp32 GEMM {best.gemm / 1e9:.0f} "
         f"GFLOP/s, int8 GEMM {best.int8 / 1e9:.0f} GOP/s (the linears of {', '.join(INTEGER)})\n"
@@ -358,7 +358,7 @@ def main() -> None:
                 {
                     "model": model or "default",
                     "level": cpu_isa.level(),
-                    "flags": flags,
+                    "flags": flags.split(),
                     "bandwidth_gbs": best.bw / 1e9,
                     "gemm_gflops": best.gemm / 1e9,
                     "int8_gops": best.int8 / 1e9,

@@ -136,27 +136,27 @@ static void quantize_row_q8(const void *x, int x_bf16, int64_t K, int8_t *xq, fl
 
 /* Row r of quantize_rows_q8. */
 static inline void quantize_tile_row(const void *x, int64_t ldx, int x_bf16, int64_t r, int64_t M, int64_t K,
-                                     int8_t *xq, float *xd, int32_t *xs, int tiled) {
+                                     int8_t *xq, float *xd, int32_t *xs, int tile_fmt) {
     const int64_t nb = (K + KB - 1) / KB, es = x_bf16 ? 2 : 4, r0 = r - r % Q8_RT;
     /* tiled: row r - r0 of the tile from r0, whose R rows (Q8_RT, fewer in the last) lie side by side per block */
-    const int64_t bs = !tiled ? 1 : M - r0 < Q8_RT ? M - r0 : Q8_RT, at = tiled ? r0 * nb + r - r0 : r * nb;
+    const int64_t bs = !tile_fmt ? 1 : M - r0 < Q8_RT ? M - r0 : Q8_RT, at = tile_fmt ? r0 * nb + r - r0 : r * nb;
     quantize_row_q8((const char *)x + r * ldx * es, x_bf16, K, xq + at * KB, xd + at, xs + at, bs);
-    if (tiled)
-        for (int64_t b = 0; b < nb; b++) xs[at + b * bs] = q8_term(tiled, xd[at + b * bs], xs[at + b * bs]);
+    if (tile_fmt)
+        for (int64_t b = 0; b < nb; b++) xs[at + b * bs] = q8_term(tile_fmt, xd[at + b * bs], xs[at + b * bs]);
 }
 
 /* M rows at row stride ldx; in parallel only where there is enough of them (an OpenMP region costs more than a
- * row). `tiled` (a packing's format): the rows in tiles of Q8_RT (the last of fewer: spaced as a full tile, 4-6
- * rows ran up to 9% slower), a tile's rows side by side per block, and in xs each block's term (q8_term) for that
- * format in place of its sum: linear_q8's vector path. */
+ * row). `tile_fmt` (0, or a packing's format): the rows in tiles of Q8_RT (the last of fewer: spaced as a full
+ * tile, 4-6 rows ran up to 9% slower), a tile's rows side by side per block, and in xs each block's term (q8_term)
+ * for that format in place of its sum: linear_q8's vector path. */
 static void quantize_rows_q8(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *xd,
-                             int32_t *xs, int tiled, int nthreads) {
+                             int32_t *xs, int tile_fmt, int nthreads) {
     if (M * K <= 65536) {
-        for (int64_t r = 0; r < M; r++) quantize_tile_row(x, ldx, x_bf16, r, M, K, xq, xd, xs, tiled);
+        for (int64_t r = 0; r < M; r++) quantize_tile_row(x, ldx, x_bf16, r, M, K, xq, xd, xs, tile_fmt);
         return;
     }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t r = 0; r < M; r++) quantize_tile_row(x, ldx, x_bf16, r, M, K, xq, xd, xs, tiled);
+    for (int64_t r = 0; r < M; r++) quantize_tile_row(x, ldx, x_bf16, r, M, K, xq, xd, xs, tile_fmt);
 }
 
 int quantize_q8(const void *x, int64_t ldx, int x_bf16, int64_t M, int64_t K, int8_t *xq, float *xd, int32_t *xs,
