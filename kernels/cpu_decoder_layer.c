@@ -52,7 +52,7 @@ int decoder_layer_bf16(const Layer *L, const Step *S, uint16_t *x) {
     int rc = 0;
 #define STEP(call, base)                                                                                               \
     if ((rc = (call)) != 0) {                                                                                          \
-        rc = rc == -2 ? -2 : (base) + (rc < 0 ? -rc : rc);                                                                              \
+        rc = rc == -2 ? -2 : (base) + (rc < 0 ? -rc : rc);                                                             \
         goto done;                                                                                                     \
     }
     STEP(rms_norm_bf16(x, n, L->ln1, h, T, n, S->eps, th), 10);

@@ -797,7 +797,8 @@ static void store_rows(const float *acc, int rows, int cols, const float *bias, 
  * widened to fp32 and multiplied by fp32 FMAs. With vdpbf16ps, tiles are up to 8 rows by 2 columns (tile_rows_dp2).
  * Either way a row's sums run in one order whatever the number of rows, so a row's output does not depend on the rows
  * beside it (speculative decoding checks guesses in the rows of one step and must pick what a one-row step picks:
- * a column-at-a-time tile for 1-4 rows, summed in another order, measured no faster on Zen 4). A thread's tiles are one contiguous run of rows, prefetched ROWS_PREFETCH bytes ahead into L2. */
+ * a column-at-a-time tile for 1-4 rows, summed in another order, measured no faster on Zen 4). A thread's tiles are
+ * one contiguous run of rows, prefetched ROWS_PREFETCH bytes ahead into L2. */
 typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
