@@ -341,8 +341,10 @@ static inline __attribute__((always_inline)) void group_q8(const int fmt, const 
     for (int64_t b = 0; b < nb; b++, blk += bb) {
 #pragma GCC unroll 9
         for (int64_t off = 0; off < bb; off += 64) __builtin_prefetch(blk + PREFETCH + off);
+        /* AVX2, 4-bit, from 2 rows: summed with the scaling, a pair of rows at a time (q4_rows_ints_avx2) */
+        const int pairs = Q8_ISA == 1 && fmt != Q8_0_Q8 && R > 1;
         q8_ints a[Q8_RT];
-        if (Q8_ISA != 1 || fmt == Q8_0_Q8 || R == 1) block_ints(fmt, blk + q8_quants(fmt), xq + b * qb, qr, R, a);
+        if (!pairs) block_ints(fmt, blk + q8_quants(fmt), xq + b * qb, qr, R, a);
 #if Q8_ISA == 2
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
         const __m512 mw = fmt == Q4_1_Q8 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * G)))
@@ -365,7 +367,6 @@ static inline __attribute__((always_inline)) void group_q8(const int fmt, const 
             m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * G)));
             m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * G + 16)));
         }
-        const int pairs = fmt != Q8_0_Q8 && R > 1; /* 4-bit from 2 rows: summed and scaled a pair at a time */
         __m256i codes[16] __attribute__((aligned(32)));
         if (pairs) q4_codes_avx2(blk + q8_quants(fmt), codes);
 #pragma GCC unroll 4
